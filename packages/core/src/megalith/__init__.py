@@ -1,0 +1,3 @@
+"""megalith: parallel training core."""
+
+__version__ = "0.1.0"

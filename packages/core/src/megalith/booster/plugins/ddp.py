@@ -1,0 +1,84 @@
+"""`DDPPlugin`: torch DistributedDataParallel (all-reduce of gradient buckets) with megalith's verbs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from megalith.booster.plugins.base import Boosted, MemoryPlan, Plugin, fp32_snapshot
+from megalith.booster.precision import Precision
+from megalith.optim import BoostedOptimizer, ReplicatedOptimizer
+from megalith.zero import named_parameter_map
+
+
+@dataclass(frozen=True)
+class DDPConfig:
+    bucket_cap_mb: float = 25.0
+    find_unused_parameters: bool = False
+    broadcast_buffers: bool = True
+
+
+class DDPPlugin(Plugin):
+    """Every rank holds the full model and optimizer; gradients are averaged by DDP's all-reduce.
+
+    In a single process the model is not wrapped at all.
+    """
+
+    name = "ddp"
+
+    def __init__(self, config: DDPConfig | None = None, **kwargs: object) -> None:
+        self.config = config or DDPConfig(**kwargs)  # type: ignore[arg-type]
+
+    def configure(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, precision: Precision
+    ) -> Boosted:
+        fp32 = fp32_snapshot(model) if precision.mixed else {}
+        model.to(precision.dtype)
+        wrapped = None
+        if optimizer is not None:
+            wrapped = ReplicatedOptimizer(optimizer, named_parameter_map(model), precision.make_scaler())
+            if precision.mixed:  # masters start from the exact fp32 values, not the rounded copies
+                wrapped.load_master_values(lambda name, s, e: fp32[name].view(-1)[s:e])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            device_ids = [torch.cuda.current_device()] if next(model.parameters()).is_cuda else None
+            model = DDP(
+                model,
+                device_ids=device_ids,
+                bucket_cap_mb=self.config.bucket_cap_mb,
+                find_unused_parameters=self.config.find_unused_parameters,
+                broadcast_buffers=self.config.broadcast_buffers,
+                gradient_as_bucket_view=True,
+            )
+        return Boosted(model, wrapped)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, DDP) else model
+
+    @contextmanager
+    def no_sync(self, model: nn.Module | None, optimizer: BoostedOptimizer | None) -> Iterator[None]:
+        with ExitStack() as stack:
+            if isinstance(model, DDP):
+                stack.enter_context(model.no_sync())
+            if optimizer is not None:
+                stack.enter_context(optimizer.no_sync())
+            yield
+
+    def memory_plan(self, num_params: int, num_trainable: int, world_size: int, precision: Precision) -> MemoryPlan:
+        b = precision.param_bytes
+        master = 4 * num_trainable if precision.mixed else 0
+        return MemoryPlan(
+            plugin=self.name,
+            precision=precision.name,
+            world_size=world_size,
+            num_params=num_params,
+            num_trainable=num_trainable,
+            params=b * num_params,
+            grads=b * num_trainable,
+            optimizer_states=8 * num_trainable + master,
+        )

@@ -1,0 +1,25 @@
+"""Atomic checkpoints: HF safetensors model dirs, resharding optimizer pieces, training state (layer 4)."""
+
+from megalith.checkpoint.atomic import commit, fresh_staging, resolve, staging_path
+from megalith.checkpoint.model_io import read_model_into, weight_files, write_model
+from megalith.checkpoint.optimizer_io import OptimPiece, PieceReader, write_meta, write_pieces
+from megalith.checkpoint.state_io import read_json, read_rng, restore_rng, write_json, write_rng
+
+__all__ = [
+    "OptimPiece",
+    "PieceReader",
+    "commit",
+    "fresh_staging",
+    "read_json",
+    "read_model_into",
+    "read_rng",
+    "resolve",
+    "restore_rng",
+    "staging_path",
+    "weight_files",
+    "write_json",
+    "write_meta",
+    "write_model",
+    "write_pieces",
+    "write_rng",
+]

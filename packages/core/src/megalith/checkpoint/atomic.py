@@ -1,0 +1,81 @@
+"""Atomic checkpoint directories: write to a staging directory, fsync, rename into place.
+
+An interrupted save leaves the previous checkpoint untouched. Replacing an existing directory
+takes two renames (old → `.NAME.old`, staging → NAME); `resolve` finds the old one if a crash
+fell between them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from megalith.common.errors import CheckpointError
+
+
+def staging_path(path: str | os.PathLike[str]) -> Path:
+    p = Path(path)
+    return p.parent / f".{p.name}.tmp"
+
+
+def _old_path(path: Path) -> Path:
+    return path.parent / f".{path.name}.old"
+
+
+def fresh_staging(path: str | os.PathLike[str]) -> Path:
+    """Create an empty staging directory for `path` (removing leftovers of an interrupted save)."""
+    tmp = staging_path(path)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(path: str | os.PathLike[str]) -> Path:
+    """fsync the staging directory of `path` and move it into place atomically."""
+    final = Path(path)
+    tmp = staging_path(final)
+    if not tmp.is_dir():
+        raise CheckpointError(f"no staged checkpoint at {tmp}")
+    _fsync_tree(tmp)
+    old = _old_path(final)
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    if old.exists():
+        shutil.rmtree(old)
+    return final
+
+
+def resolve(path: str | os.PathLike[str]) -> Path:
+    """The readable checkpoint for `path`: itself, or the previous one if a replace was interrupted."""
+    final = Path(path)
+    if final.exists():
+        return final
+    old = _old_path(final)
+    if old.exists():
+        return old
+    raise CheckpointError(f"checkpoint {final} does not exist")

@@ -1,0 +1,17 @@
+"""Small utilities shared by every layer."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from megalith.common.errors import MissingDependencyError
+
+
+def require(module: str, extra: str | None = None) -> ModuleType:
+    """Import an optional heavy dependency, or raise a clear 'install X' error."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        hint = f"pip install 'megalith[{extra}]'" if extra else f"pip install {module.split('.')[0]}"
+        raise MissingDependencyError(f"{module!r} is required for this feature: {hint}") from exc

@@ -1,0 +1,24 @@
+"""Parallel dimensions, device mesh, launch, collectives and the stateful sampler (layer 2)."""
+
+from megalith.distributed.collectives import all_reduce_scalar, barrier, broadcast_object, rank, world_size
+from megalith.distributed.dims import AXES, ParallelDims
+from megalith.distributed.launch import LaunchInfo, launch, shutdown
+from megalith.distributed.mesh import axis_group, build_mesh
+from megalith.distributed.sampler import StatefulDataLoader, StatefulDistributedSampler
+
+__all__ = [
+    "AXES",
+    "LaunchInfo",
+    "ParallelDims",
+    "StatefulDataLoader",
+    "StatefulDistributedSampler",
+    "all_reduce_scalar",
+    "axis_group",
+    "barrier",
+    "broadcast_object",
+    "build_mesh",
+    "launch",
+    "rank",
+    "shutdown",
+    "world_size",
+]

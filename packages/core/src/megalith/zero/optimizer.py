@@ -1,0 +1,253 @@
+"""The ZeRO-1/2 optimizer: fp32 master weights and optimizer states sharded over dp.
+
+Per step, for every bucket (see `buckets.py`):
+    grads  --reduce-scatter(sum)/dp-->  this rank's gradient shard     [S]
+    master shard  --optimizer.step-->   updated master shard           [S]   (fp32; host if offloaded)
+    shard  --all-gather-->              full flat parameters           [padded]
+Stage 1 keeps full gradients (p.grad are views of one flat buffer per bucket); stage 2 keeps only the
+gradient shard and frees p.grad as soon as its bucket is reduced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalith.optim import BoostedOptimizer, DynamicLossScaler, PieceRef
+from megalith.zero.buckets import FlatBucket, make_buckets
+from megalith.zero.config import ZeroConfig
+
+
+class _Pending:
+    """An in-flight reduce-scatter of one bucket."""
+
+    def __init__(self, bucket: FlatBucket, out: torch.Tensor, work: Any) -> None:
+        self.bucket, self.out, self.work = bucket, out, work
+
+
+class ZeroOptimizer(BoostedOptimizer):
+    sharded_grads = True
+
+    def __init__(  # noqa: PLR0913
+        self,
+        optim: torch.optim.Optimizer,
+        named_params: dict[nn.Parameter, str],
+        config: ZeroConfig,
+        dp_group: dist.ProcessGroup | None = None,
+        scaler: DynamicLossScaler | None = None,
+        master_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__(optim, scaler)
+        self.config = config
+        self.norm_group = dp_group
+        self.dp_group = dp_group
+        self.dp_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
+        self.dp_rank = dist.get_rank(dp_group) if dist.is_initialized() else 0
+        self.buckets: list[FlatBucket] = []
+        self.masters: list[torch.Tensor] = []
+        self._bucket_of: dict[int, int] = {}
+        self._pending: list[_Pending] = []
+        self._next_launch = 0
+        self._hooks: list[Any] = []
+        self._got_grad: set[int] = set()
+        for group in optim.param_groups:
+            params = [(named_params[p], p) for p in group["params"] if p.requires_grad]
+            # Reverse registration order ≈ the order backward produces gradients.
+            element = params[0][1].element_size() if params else 4
+            buckets = make_buckets(params[::-1], config.bucket_numel(element), self.dp_size, self.dp_rank)
+            group["params"] = [self._add_bucket(b, master_dtype) for b in buckets]
+        self._register_hooks()
+
+    # -- construction ---------------------------------------------------------------------------
+    def _add_bucket(self, bucket: FlatBucket, master_dtype: torch.dtype) -> torch.Tensor:
+        index = len(self.buckets)
+        self.buckets.append(bucket)
+        for slot in bucket:
+            self._bucket_of[id(slot.param)] = index
+        if self.config.stage == 1:
+            bucket.grad_flat = torch.zeros_like(bucket.flat)  # type: ignore[attr-defined]
+            lo, hi = bucket.shard_range
+            bucket.grad_shard = bucket.grad_flat[lo:hi]  # type: ignore[attr-defined]
+            self._point_grads_at_flat(bucket)
+        else:
+            bucket.grad_shard = torch.zeros(bucket.shard_numel, dtype=bucket.dtype, device=bucket.device)  # type: ignore[attr-defined]
+        if bucket.dtype == master_dtype and not self.config.cpu_offload:
+            master = bucket.shard  # the parameter shard itself is the master: no copy
+        else:
+            device = torch.device("cpu") if self.config.cpu_offload else bucket.device
+            master = bucket.shard.detach().to(device=device, dtype=master_dtype).clone()
+            if self.config.cpu_offload and bucket.device.type == "cuda":
+                master = master.pin_memory()
+        self.masters.append(master)
+        return master
+
+    @staticmethod
+    def _point_grads_at_flat(bucket: FlatBucket) -> None:
+        for s in bucket:
+            view = bucket.grad_flat[s.offset : s.offset + s.numel].view_as(s.param)  # type: ignore[attr-defined]
+            if s.param.grad is not None and s.param.grad.data_ptr() != view.data_ptr():
+                view.copy_(s.param.grad)
+            elif s.param.grad is None:
+                view.zero_()
+            s.param.grad = view
+
+    def _register_hooks(self) -> None:
+        for bucket in self.buckets:
+            for slot in bucket:
+                self._hooks.append(slot.param.register_post_accumulate_grad_hook(self._on_grad))
+
+    # -- gradient reduction -----------------------------------------------------------------------
+    def _on_grad(self, param: torch.Tensor) -> None:
+        self._got_grad.add(id(param))
+        if not self.sync_gradients or not self.config.overlap_communication:
+            return
+        index = self._bucket_of[id(param)]
+        bucket = self.buckets[index]
+        bucket.ready.add(id(param))
+        while self._next_launch < len(self.buckets):
+            nxt = self.buckets[self._next_launch]
+            if len(nxt.ready) < len(nxt.slots):
+                break
+            self._launch(nxt, async_op=True)
+
+    def _launch(self, bucket: FlatBucket, async_op: bool) -> None:
+        """Reduce-scatter one bucket's gradients (launches must happen in bucket order on every rank)."""
+        self._next_launch += 1
+        if self.config.stage == 1:
+            self._point_grads_at_flat(bucket)
+            flat = bucket.grad_flat  # type: ignore[attr-defined]
+        else:
+            flat = bucket.flat_grads()
+            for s in bucket:
+                s.param.grad = None  # stage 2 keeps only the shard
+        out = torch.empty(bucket.shard_numel, dtype=flat.dtype, device=flat.device)
+        if self.dp_size > 1:
+            work = dist.reduce_scatter_tensor(out, flat, group=self.dp_group, async_op=async_op)
+        else:
+            out.copy_(flat)
+            work = None
+        self._pending.append(_Pending(bucket, out, work if async_op else None))
+
+    def _finish_backward(self) -> None:
+        while self._next_launch < len(self.buckets):
+            self._launch(self.buckets[self._next_launch], async_op=False)
+        for pending in self._pending:
+            if pending.work is not None:
+                pending.work.wait()
+            pending.out.div_(self.dp_size)
+            pending.bucket.grad_shard.copy_(pending.out)  # type: ignore[attr-defined]
+            pending.bucket.ready.clear()
+        self._pending.clear()
+        self._next_launch = 0
+
+    # -- step -------------------------------------------------------------------------------------
+    def _master_grads(self) -> list[torch.Tensor]:
+        if not self._prepared:
+            for bucket, master in zip(self.buckets, self.masters, strict=True):
+                grad = bucket.grad_shard  # type: ignore[attr-defined]
+                master.grad = grad if master is bucket.shard else grad.to(master.device, master.dtype)
+        return [m.grad for m in self.masters if m.grad is not None]
+
+    def _publish_params(self) -> None:
+        works = []
+        with torch.no_grad():
+            for bucket, master in zip(self.buckets, self.masters, strict=True):
+                if master is not bucket.shard:
+                    bucket.shard.copy_(master, non_blocking=True)
+                if self.dp_size > 1:
+                    # The shard is a slice of `flat`; send a copy so input and output never alias.
+                    works.append(
+                        dist.all_gather_into_tensor(bucket.flat, bucket.shard.clone(), group=self.dp_group, async_op=True)
+                    )
+        for w in works:
+            w.wait()
+
+    def _before_inner_step(self) -> Any:
+        """Parameters that got no gradient on any rank must not move (as with a plain torch optimizer,
+        which skips `grad is None`): stash their master and state pieces to restore after the step."""
+        slots = [s for b in self.buckets for s in b]
+        flags = torch.tensor([id(s.param) in self._got_grad for s in slots], dtype=torch.uint8)
+        if dist.is_initialized() and self.dp_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.dp_group)
+        unused = {s.name for s, f in zip(slots, flags.tolist(), strict=True) if not f}
+        if not unused:
+            return None
+        stash = []
+        for master, refs in self.owned():
+            tensors = [master.view(-1)] + [
+                t.view(-1) for t in self.optim.state.get(master, {}).values()
+                if isinstance(t, torch.Tensor) and t.numel() == master.numel()
+            ]
+            for ref in refs:
+                if ref.name in unused:
+                    window = slice(ref.offset, ref.offset + ref.end - ref.start)
+                    stash.append((master, window, [t[window].clone() for t in tensors]))
+        return stash
+
+    def _after_inner_step(self, stash: Any) -> None:
+        for master, window, saved in stash or []:
+            tensors = [master.view(-1)] + [
+                t.view(-1) for t in self.optim.state.get(master, {}).values()
+                if isinstance(t, torch.Tensor) and t.numel() == master.numel()
+            ]
+            for t, old in zip(tensors, saved, strict=False):  # states created by this step start at 0
+                t[window].copy_(old)
+
+    def _zero_grad(self) -> None:
+        self._got_grad.clear()
+        for bucket, master in zip(self.buckets, self.masters, strict=True):
+            if self.config.stage == 1:
+                bucket.grad_flat.zero_()  # type: ignore[attr-defined]
+            else:
+                bucket.grad_shard.zero_()  # type: ignore[attr-defined]
+            master.grad = None
+            if self.config.stage == 2:
+                for s in bucket:
+                    s.param.grad = None
+
+    # -- state for checkpoints and memory accounting ---------------------------------------------
+    replicated = False
+
+    def owned(self) -> list[tuple[torch.Tensor, list[PieceRef]]]:
+        return [(m, b.pieces()) for b, m in zip(self.buckets, self.masters, strict=True)]
+
+    def _after_master_load(self) -> None:
+        self._publish_params()
+
+    def load_masters_from_model(self) -> None:
+        """After new weights were loaded into the model's parameters, refresh the masters."""
+        with torch.no_grad():
+            for bucket, master in zip(self.buckets, self.masters, strict=True):
+                if master is not bucket.shard:
+                    master.copy_(bucket.shard)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for gradients and optimizer states (including separate fp32 masters)."""
+        grads = sum(
+            (b.grad_flat if self.config.stage == 1 else b.grad_shard).numel() * b.dtype.itemsize  # type: ignore[attr-defined]
+            for b in self.buckets
+        )
+        states = sum(
+            t.numel() * t.element_size()
+            for m in self.masters
+            for t in self.optim.state.get(m, {}).values()
+            if isinstance(t, torch.Tensor) and t.numel() > 1
+        )
+        masters = sum(m.numel() * m.element_size() for b, m in zip(self.buckets, self.masters, strict=True) if m is not b.shard)
+        return {"grads": grads, "optimizer_states": states + masters}
+
+
+def named_parameter_map(model: nn.Module) -> dict[nn.Parameter, str]:
+    """Parameter → its first name (tied parameters appear once, under the first name)."""
+    out: dict[nn.Parameter, str] = {}
+    for name, p in model.named_parameters():
+        out.setdefault(p, name)
+    return out
+
+
+def trainable(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+    return [p for p in params if p.requires_grad]

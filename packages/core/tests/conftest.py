@@ -1,0 +1,20 @@
+"""Shared fixtures: offline HF environment, a tiny Llama, synthetic batches, a reference trainer."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="megalith-hf-"))
+
+
+@pytest.fixture(autouse=True)
+def _offline_hf(monkeypatch, tmp_path_factory):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path_factory.mktemp("hf_home")))
