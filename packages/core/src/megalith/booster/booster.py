@@ -90,6 +90,9 @@ class Booster:
             seed=seed,
             drop_last=drop_last,
         )
+        # A private generator: creating an iterator must not draw from the global torch RNG, or a
+        # resumed run (which creates its iterator after restoring the RNG) would diverge.
+        kwargs.setdefault("generator", torch.Generator().manual_seed(seed))
         return StatefulDataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **kwargs)
 
     # -- training verbs -------------------------------------------------------------------------------

@@ -1,0 +1,74 @@
+"""ParallelDims validation, the sampler, and failure propagation of the test launcher (§6)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megalith.common.errors import ConfigError
+from megalith.distributed import ParallelDims, StatefulDistributedSampler, build_mesh, launch
+from megalith.testing import run_distributed
+
+
+def test_parallel_dims_infers_dp_and_validates():
+    assert ParallelDims(world_size=8, tp=2).dp == 4
+    assert ParallelDims(world_size=8, dp=2, tp=2, pp=2).shape == (2, 2, 1, 2)
+    with pytest.raises(ConfigError, match=r"dp\*tp\*pp\*sp = 3\*2\*1\*1 = 6 does not equal world_size=8"):
+        ParallelDims(world_size=8, dp=3, tp=2)
+    with pytest.raises(ConfigError, match=r"world_size=6 is not divisible by tp\*pp\*sp=4"):
+        ParallelDims(world_size=6, tp=4)
+    with pytest.raises(ConfigError, match="tp must be >= 1, got 0"):
+        ParallelDims(world_size=2, tp=0)
+
+
+def test_launch_without_environment_is_single_process(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    info = launch(device="cpu")
+    assert (info.rank, info.world_size, info.device.backend) == (0, 1, "gloo")
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ConfigError, match="WORLD_SIZE='two' is not an integer"):
+        launch(device="cpu")
+
+
+def test_sampler_shards_disjointly_and_resumes():
+    data = list(range(10))
+    shards = [list(StatefulDistributedSampler(data, 2, r, shuffle=True, seed=1)) for r in range(2)]
+    assert sorted(shards[0] + shards[1]) == data and not set(shards[0]) & set(shards[1])
+    s = StatefulDistributedSampler(data, 2, 0, seed=1)
+    s.advance(3)
+    resumed = StatefulDistributedSampler(data, 2, 0, seed=1)
+    resumed.load_state_dict(s.state_dict())
+    assert list(resumed) == shards[0][3:]
+    with pytest.raises(ConfigError, match="dataset is empty"):
+        StatefulDistributedSampler([], 2, 0)
+
+
+def mesh_worker(rank, world):
+    mesh = build_mesh(ParallelDims(world_size=world, tp=2), "cpu")
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=mesh["dp"].get_group())
+    return mesh["tp"].get_local_rank(), t.item()
+
+
+def test_mesh_axes_group_the_right_ranks():
+    # tp is innermost: ranks (0,1) and (2,3) share tp groups; dp groups are (0,2) and (1,3).
+    assert run_distributed(mesh_worker, 4) == [(0, 2.0), (1, 4.0), (0, 2.0), (1, 4.0)]
+
+
+def one_rank_raises(rank, world):
+    if rank == 1:
+        raise ValueError("boom on purpose")
+    t = torch.zeros(1)
+    dist.all_reduce(t)  # rank 0 waits here for a peer that never comes
+    return t.item()
+
+
+def test_one_rank_raising_fails_fast_with_its_exception():
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="boom on purpose") as info:
+        run_distributed(one_rank_raises, 2, timeout_s=10)
+    assert time.monotonic() - start < 30
+    assert any("raised on rank 1" in note for note in info.value.__notes__)
