@@ -86,7 +86,10 @@ def test_plan_formulas_for_all_plugins():
         (ZeroPlugin(stage=1), "bf16", 4 + 12 / n),
         (ZeroPlugin(stage=2), "bf16", 2 + 14 / n),
     ]:
-        assert plan(model, plugin, n, precision).total == pytest.approx(per_param * psi, rel=1e-3), (plugin.name, precision)
+        assert plan(model, plugin, n, precision).total == pytest.approx(per_param * psi, rel=1e-3), (
+            plugin.name,
+            precision,
+        )
     offload = plan(model, ZeroPlugin(stage=2, cpu_offload=True), n, "bf16")
     assert offload.optimizer_states == 0 and offload.host == pytest.approx(12 * psi / n, rel=1e-3)
     assert "optimizer states" in str(offload)
@@ -105,8 +108,16 @@ def test_plan_allocates_nothing_on_meta_device():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     with torch.device("meta"):
-        big = LlamaForCausalLM(LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                                           num_attention_heads=32, num_key_value_heads=4, vocab_size=32000))
+        big = LlamaForCausalLM(
+            LlamaConfig(
+                hidden_size=2048,
+                intermediate_size=5632,
+                num_hidden_layers=22,
+                num_attention_heads=32,
+                num_key_value_heads=4,
+                vocab_size=32000,
+            )
+        )
     p = plan(big, ZeroPlugin(stage=2), world_size=8, precision="bf16")
     assert 1.0e9 < p.num_params < 1.2e9
     assert p.total == pytest.approx((2 + 14 / 8) * p.num_params, rel=1e-3)

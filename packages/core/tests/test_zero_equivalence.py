@@ -100,7 +100,10 @@ def test_zero_matches_single_process(stage: int, world: int) -> None:
 
 
 def ddp_worker(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
-    return {name: train_boosted(rank, world, DDPPlugin(find_unused_parameters=True), name) for name in ("plain", "accum4", "clip")}
+    return {
+        name: train_boosted(rank, world, DDPPlugin(find_unused_parameters=True), name)
+        for name in ("plain", "accum4", "clip")
+    }
 
 
 def test_ddp_matches_single_process() -> None:

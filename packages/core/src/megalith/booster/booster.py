@@ -1,8 +1,8 @@
 """`Booster`: one object that applies a parallelism plugin and precision, and owns checkpoints.
 
-    booster = Booster(plugin=ZeroPlugin(stage=2), precision="bf16")
-    model, optimizer, criterion, dataloader, lr_scheduler = booster.boost(model, optimizer, ...)
-    booster.backward(loss, optimizer); optimizer.step(); optimizer.zero_grad()
+booster = Booster(plugin=ZeroPlugin(stage=2), precision="bf16")
+model, optimizer, criterion, dataloader, lr_scheduler = booster.boost(model, optimizer, ...)
+booster.backward(loss, optimizer); optimizer.step(); optimizer.zero_grad()
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class Booster:
         self.precision = precision if isinstance(precision, Precision) else Precision(precision)
 
     # -- setup ------------------------------------------------------------------------------------
-    def boost(  # noqa: PLR0913
+    def boost(
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
@@ -72,7 +72,7 @@ class Booster:
         boosted = self.plugin.configure(model, optimizer, self.precision)
         return boosted.model, boosted.optimizer, criterion, dataloader, lr_scheduler
 
-    def prepare_dataloader(  # noqa: PLR0913
+    def prepare_dataloader(
         self,
         dataset: Dataset,
         batch_size: int,
@@ -93,7 +93,9 @@ class Booster:
         # A private generator: creating an iterator must not draw from the global torch RNG, or a
         # resumed run (which creates its iterator after restoring the RNG) would diverge.
         kwargs.setdefault("generator", torch.Generator().manual_seed(seed))
-        return StatefulDataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **kwargs)
+        return StatefulDataLoader(
+            dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **kwargs
+        )
 
     # -- training verbs -------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, optimizer: BoostedOptimizer | None) -> None:
@@ -103,7 +105,9 @@ class Booster:
         optimizer.backward(loss)
 
     @contextmanager
-    def no_sync(self, model: nn.Module | None = None, optimizer: BoostedOptimizer | None = None) -> Iterator[None]:
+    def no_sync(
+        self, model: nn.Module | None = None, optimizer: BoostedOptimizer | None = None
+    ) -> Iterator[None]:
         """Gradient accumulation: backward passes inside skip gradient reduction."""
         with self.plugin.no_sync(model, optimizer):
             yield
@@ -112,7 +116,9 @@ class Booster:
         return self.plugin.unwrap(model)
 
     # -- model checkpoints ------------------------------------------------------------------------------
-    def save_model(self, model: nn.Module, path: str | Path, shard: bool = True, max_shard_size_mb: int = 2048) -> Path:
+    def save_model(
+        self, model: nn.Module, path: str | Path, shard: bool = True, max_shard_size_mb: int = 2048
+    ) -> Path:
         """HF-loadable safetensors directory (plus config.json for HF models), written atomically."""
         path = Path(path)
         if _rank() == 0:
@@ -122,7 +128,13 @@ class Booster:
         barrier()
         return path
 
-    def load_model(self, model: nn.Module, path: str | Path, optimizer: BoostedOptimizer | None = None, strict: bool = True) -> None:
+    def load_model(
+        self,
+        model: nn.Module,
+        path: str | Path,
+        optimizer: BoostedOptimizer | None = None,
+        strict: bool = True,
+    ) -> None:
         """Load weights into a boosted model; pass the optimizer so its fp32 masters follow."""
         read_model_into(self.unwrap(model), resolve(path), strict=strict)
         if optimizer is not None:
@@ -146,7 +158,7 @@ class Booster:
         load_optimizer_state(optimizer, resolve(path))
 
     # -- full training state ------------------------------------------------------------------------------
-    def save_state(  # noqa: PLR0913
+    def save_state(
         self,
         path: str | Path,
         model: nn.Module,
@@ -188,7 +200,7 @@ class Booster:
         barrier()
         return path
 
-    def load_state(  # noqa: PLR0913
+    def load_state(
         self,
         path: str | Path,
         model: nn.Module,
@@ -206,14 +218,21 @@ class Booster:
         trainer = torch.load(root / "trainer.pt", weights_only=False)
         if lr_scheduler is not None and trainer["lr_scheduler"] is not None:
             lr_scheduler.load_state_dict(trainer["lr_scheduler"])
-        if dataloader is not None and trainer["dataloader"] is not None and hasattr(dataloader, "load_state_dict"):
+        if (
+            dataloader is not None
+            and trainer["dataloader"] is not None
+            and hasattr(dataloader, "load_state_dict")
+        ):
             dataloader.load_state_dict(trainer["dataloader"])
         saved_world = int(meta["world_size"])
         if saved_world == _world():
             restore_rng(read_rng(root / "rng", _rank()))
         else:
-            logger.warning("checkpoint written at world size %d, now %d: RNG streams restart from rank 0's",
-                           saved_world, _world())
+            logger.warning(
+                "checkpoint written at world size %d, now %d: RNG streams restart from rank 0's",
+                saved_world,
+                _world(),
+            )
             restore_rng(read_rng(root / "rng", 0))
         return meta
 

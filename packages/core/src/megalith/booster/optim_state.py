@@ -32,7 +32,9 @@ def save_optimizer_state(opt: BoostedOptimizer, directory: Path, rank: int) -> N
         for ref in refs:
             n = ref.end - ref.start
             pieces.append(
-                OptimPiece(ref.name, ref.start, ref.end, {k: v[ref.offset : ref.offset + n] for k, v in flat.items()})
+                OptimPiece(
+                    ref.name, ref.start, ref.end, {k: v[ref.offset : ref.offset + n] for k, v in flat.items()}
+                )
             )
     write_pieces(directory, rank, pieces)
     if rank == 0:
@@ -98,7 +100,9 @@ def load_optimizer_state(opt: BoostedOptimizer, directory: Path) -> None:
         opt.scaler.load_state_dict(meta["scaler"])
 
 
-def _load_master_state(opt: BoostedOptimizer, master: torch.Tensor, refs: list, saved: dict, reader: PieceReader) -> None:
+def _load_master_state(
+    opt: BoostedOptimizer, master: torch.Tensor, refs: list, saved: dict, reader: PieceReader
+) -> None:
     if not saved["tensor_keys"]:
         return
     state: dict[str, Any] = {}

@@ -23,7 +23,7 @@ def dedup_tied(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
     unique: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     for name, t in state.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(int(d) for d in t.shape))
         if t.numel() and key in seen:
             aliases[name] = seen[key]
             continue
@@ -32,7 +32,9 @@ def dedup_tied(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
     return unique, aliases
 
 
-def write_model(model: nn.Module, directory: Path, max_shard_bytes: int = 2 * 2**30, shard: bool = True) -> None:
+def write_model(
+    model: nn.Module, directory: Path, max_shard_bytes: int = 2 * 2**30, shard: bool = True
+) -> None:
     """Write `model`'s state dict (and its HF config, when it has one) into `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
     state, _ = dedup_tied(model.state_dict())

@@ -42,7 +42,9 @@ def write_pieces(directory: Path, rank: int, pieces: list[OptimPiece]) -> None:
         ranges[piece.name] = [piece.start, piece.end]
         for key, t in piece.tensors.items():
             tensors[f"{piece.name}{SEP}{key}"] = t.detach().cpu().contiguous()
-    save_file(tensors, str(directory / f"rank_{rank:05d}.safetensors"), metadata={"ranges": json.dumps(ranges)})
+    save_file(
+        tensors, str(directory / f"rank_{rank:05d}.safetensors"), metadata={"ranges": json.dumps(ranges)}
+    )
 
 
 def write_meta(directory: Path, meta: dict[str, Any]) -> None:
@@ -75,7 +77,9 @@ class PieceReader:
     def read(self, name: str, key: str, start: int, end: int) -> torch.Tensor:
         """Elements [start, end) of state `key` of flattened parameter `name`."""
         if name not in self._index:
-            raise CheckpointError(f"optimizer checkpoint {self.directory} has no state for parameter {name!r}")
+            raise CheckpointError(
+                f"optimizer checkpoint {self.directory} has no state for parameter {name!r}"
+            )
         out: torch.Tensor | None = None
         covered = 0
         for lo, hi, path in sorted(self._index[name]):

@@ -15,3 +15,12 @@ def require(module: str, extra: str | None = None) -> ModuleType:
     except ImportError as exc:
         hint = f"pip install 'megalith[{extra}]'" if extra else f"pip install {module.split('.')[0]}"
         raise MissingDependencyError(f"{module!r} is required for this feature: {hint}") from exc
+
+
+def free_loopback_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -2,7 +2,7 @@
 
 from megalith.distributed.collectives import all_reduce_scalar, barrier, broadcast_object, rank, world_size
 from megalith.distributed.dims import AXES, ParallelDims
-from megalith.distributed.launch import LaunchInfo, launch, shutdown
+from megalith.distributed.launch import LaunchInfo, launch, relaunch, shutdown, under_launcher
 from megalith.distributed.mesh import axis_group, build_mesh
 from megalith.distributed.sampler import StatefulDataLoader, StatefulDistributedSampler
 
@@ -19,6 +19,8 @@ __all__ = [
     "build_mesh",
     "launch",
     "rank",
+    "relaunch",
     "shutdown",
+    "under_launcher",
     "world_size",
 ]

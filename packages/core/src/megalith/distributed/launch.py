@@ -64,6 +64,36 @@ def launch(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> Launch
     return LaunchInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
 
 
+def under_launcher() -> bool:
+    """True inside a torchrun-style launch (RANK and WORLD_SIZE set by a launcher)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def relaunch(nproc_per_node: int, argv: list[str], module: str | None = None) -> int:
+    """Run this program again under `torch.distributed.run` with `nproc_per_node` local ranks on loopback.
+
+    `argv` are the program's arguments; `module` runs `python -m module` instead of the script in
+    `sys.argv[0]`. Returns the launcher's exit code. Callers do this only when not `under_launcher()`.
+    """
+    import subprocess
+    import sys
+
+    from megalith.common.utils import free_loopback_port
+
+    if nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
+    target = ["-m", module] if module else [sys.argv[0]]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nproc-per-node={nproc_per_node}", "--nnodes=1", "--node-rank=0",
+        "--master-addr=127.0.0.1", f"--master-port={free_loopback_port()}",
+        *(["--module"] if module else []), *(target[1:] if module else target), *argv,
+    ]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
+    return subprocess.call(cmd, env=env)
+
+
 def shutdown() -> None:
     """Destroy the default process group if one exists."""
     if dist.is_initialized():

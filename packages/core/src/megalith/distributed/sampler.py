@@ -21,7 +21,7 @@ class StatefulDistributedSampler(Sampler[int]):
     run continues with exactly the next sample. Epochs advance automatically when exhausted.
     """
 
-    def __init__(  # noqa: PLR0913
+    def __init__(
         self,
         dataset: Sized,
         num_replicas: int = 1,
@@ -68,11 +68,18 @@ class StatefulDistributedSampler(Sampler[int]):
         self.consumed += n
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed, "num_replicas": self.num_replicas}
+        return {
+            "epoch": self.epoch,
+            "consumed": self.consumed,
+            "seed": self.seed,
+            "num_replicas": self.num_replicas,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("seed") != self.seed:
-            raise CheckpointError(f"sampler seed {state.get('seed')} in checkpoint != configured seed {self.seed}")
+            raise CheckpointError(
+                f"sampler seed {state.get('seed')} in checkpoint != configured seed {self.seed}"
+            )
         if state.get("num_replicas") != self.num_replicas:
             # Same global position, re-split over the new dp size.
             consumed_global = int(state["consumed"]) * int(state["num_replicas"])
@@ -91,7 +98,7 @@ class StatefulDataLoader(DataLoader):
 
     sampler: StatefulDistributedSampler
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         for batch in super().__iter__():
             self.sampler.advance(self.batch_size or 1)
             yield batch

@@ -4,5 +4,11 @@ from megalith.optim.clip import clip_grads_, global_grad_norm
 from megalith.optim.grad_scaler import DynamicLossScaler
 from megalith.optim.wrapper import BoostedOptimizer, PieceRef, ReplicatedOptimizer
 
-__all__ = ["BoostedOptimizer", "DynamicLossScaler",
-    "PieceRef", "ReplicatedOptimizer", "clip_grads_", "global_grad_norm"]
+__all__ = [
+    "BoostedOptimizer",
+    "DynamicLossScaler",
+    "PieceRef",
+    "ReplicatedOptimizer",
+    "clip_grads_",
+    "global_grad_norm",
+]

@@ -9,7 +9,9 @@ import torch
 import torch.distributed as dist
 
 
-def global_grad_norm(grads: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None, sharded: bool = True) -> float:
+def global_grad_norm(
+    grads: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None, sharded: bool = True
+) -> float:
     """‖g‖₂ over all ranks: sqrt(Σ_ranks Σ_local g²) when each rank owns a disjoint piece (`sharded`),
     or the local norm when gradients are replicated (DDP after all-reduce)."""
     device = grads[0].device if grads else torch.device("cpu")

@@ -41,7 +41,9 @@ class WithUnused(nn.Module):
         return self.lm(input_ids=input_ids, labels=labels)
 
 
-def synthetic_batches(steps: int, batch: int, seq: int, vocab: int = 131, seed: int = 1234) -> list[torch.Tensor]:
+def synthetic_batches(
+    steps: int, batch: int, seq: int, vocab: int = 131, seed: int = 1234
+) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(steps)]
 

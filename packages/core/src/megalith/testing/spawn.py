@@ -123,8 +123,10 @@ def _collect(procs: list, result_q: Any, world_size: int, timeout_s: float) -> l
             if dead and result_q.empty():
                 time.sleep(0.5)  # give a queue put from an exiting process time to land
                 if result_q.empty():
-                    raise DistributedError(f"rank(s) {dead} died without reporting (exit codes "
-                                           f"{[procs[i].exitcode for i in dead]})") from None
+                    raise DistributedError(
+                        f"rank(s) {dead} died without reporting (exit codes "
+                        f"{[procs[i].exitcode for i in dead]})"
+                    ) from None
             continue
         if status == "ok":
             results[rank] = pickle.loads(payload)

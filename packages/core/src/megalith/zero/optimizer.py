@@ -32,7 +32,7 @@ class _Pending:
 class ZeroOptimizer(BoostedOptimizer):
     sharded_grads = True
 
-    def __init__(  # noqa: PLR0913
+    def __init__(
         self,
         optim: torch.optim.Optimizer,
         named_params: dict[nn.Parameter, str],
@@ -153,7 +153,7 @@ class ZeroOptimizer(BoostedOptimizer):
         return [m.grad for m in self.masters if m.grad is not None]
 
     def _publish_params(self) -> None:
-        works = []
+        works: list[Any] = []
         with torch.no_grad():
             for bucket, master in zip(self.buckets, self.masters, strict=True):
                 if master is not bucket.shard:
@@ -161,7 +161,9 @@ class ZeroOptimizer(BoostedOptimizer):
                 if self.dp_size > 1:
                     # The shard is a slice of `flat`; send a copy so input and output never alias.
                     works.append(
-                        dist.all_gather_into_tensor(bucket.flat, bucket.shard.clone(), group=self.dp_group, async_op=True)
+                        dist.all_gather_into_tensor(
+                            bucket.flat, bucket.shard.clone(), group=self.dp_group, async_op=True
+                        )
                     )
         for w in works:
             w.wait()
@@ -179,7 +181,8 @@ class ZeroOptimizer(BoostedOptimizer):
         stash = []
         for master, refs in self.owned():
             tensors = [master.view(-1)] + [
-                t.view(-1) for t in self.optim.state.get(master, {}).values()
+                t.view(-1)
+                for t in self.optim.state.get(master, {}).values()
                 if isinstance(t, torch.Tensor) and t.numel() == master.numel()
             ]
             for ref in refs:
@@ -191,7 +194,8 @@ class ZeroOptimizer(BoostedOptimizer):
     def _after_inner_step(self, stash: Any) -> None:
         for master, window, saved in stash or []:
             tensors = [master.view(-1)] + [
-                t.view(-1) for t in self.optim.state.get(master, {}).values()
+                t.view(-1)
+                for t in self.optim.state.get(master, {}).values()
                 if isinstance(t, torch.Tensor) and t.numel() == master.numel()
             ]
             for t, old in zip(tensors, saved, strict=False):  # states created by this step start at 0
@@ -237,7 +241,11 @@ class ZeroOptimizer(BoostedOptimizer):
             for t in self.optim.state.get(m, {}).values()
             if isinstance(t, torch.Tensor) and t.numel() > 1
         )
-        masters = sum(m.numel() * m.element_size() for b, m in zip(self.buckets, self.masters, strict=True) if m is not b.shard)
+        masters = sum(
+            m.numel() * m.element_size()
+            for b, m in zip(self.buckets, self.masters, strict=True)
+            if m is not b.shard
+        )
         return {"grads": grads, "optimizer_states": states + masters}
 
 

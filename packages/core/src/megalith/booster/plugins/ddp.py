@@ -69,7 +69,9 @@ class DDPPlugin(Plugin):
                 stack.enter_context(optimizer.no_sync())
             yield
 
-    def memory_plan(self, num_params: int, num_trainable: int, world_size: int, precision: Precision) -> MemoryPlan:
+    def memory_plan(
+        self, num_params: int, num_trainable: int, world_size: int, precision: Precision
+    ) -> MemoryPlan:
         b = precision.param_bytes
         master = 4 * num_trainable if precision.mixed else 0
         return MemoryPlan(

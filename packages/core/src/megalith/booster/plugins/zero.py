@@ -49,11 +49,13 @@ class ZeroPlugin(Plugin):
     def dp_group(self) -> dist.ProcessGroup | None:
         return self._group
 
-    def memory_plan(self, num_params: int, num_trainable: int, world_size: int, precision: Precision) -> MemoryPlan:
+    def memory_plan(
+        self, num_params: int, num_trainable: int, world_size: int, precision: Precision
+    ) -> MemoryPlan:
         """mixed Adam: ZeRO-1 2Φ + 2Ψ + 12Ψ/N, ZeRO-2 2Φ + 2Ψ/N + 12Ψ/N; fp32: 4Φ + 4Ψ + 8Ψ/N, 4Φ + 12Ψ/N.
 
-    (Φ = all parameters, Ψ = trainable ones; with everything trainable these are the paper's
-    16Ψ-family formulas.) cpu_offload moves the optimizer states (and fp32 masters) to the host."""
+        (Φ = all parameters, Ψ = trainable ones; with everything trainable these are the paper's
+        16Ψ-family formulas.) cpu_offload moves the optimizer states (and fp32 masters) to the host."""
         b, n, psi = precision.param_bytes, world_size, num_trainable
         master = 4 if (precision.mixed or self.config.cpu_offload) else 0
         states = (8 + master) * psi // n

@@ -1,0 +1,3 @@
+"""megalith-llama."""
+
+__version__ = "0.1.0"

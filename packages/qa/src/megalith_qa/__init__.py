@@ -1,0 +1,3 @@
+"""megalith-qa."""
+
+__version__ = "0.1.0"
