@@ -46,8 +46,15 @@ def main(argv: list[str] | None = None) -> int:
         return relaunch(args.nproc_per_node, sys.argv[1:])
     info = launch()
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.seq_len)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=args.seq_len,
+    )
     model = LlamaForCausalLM(config)
     plugin = ZeroPlugin(stage=args.stage)
     if info.rank == 0:
@@ -60,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     first = last = float("nan")
     t0 = time.perf_counter()
     for step in bar:
-        ids = synthetic_batch(step, info.rank, args.batch_size, args.seq_len, config.vocab_size).to(info.device.torch)
+        ids = synthetic_batch(step, info.rank, args.batch_size, args.seq_len, config.vocab_size).to(
+            info.device.torch
+        )
         loss = model(input_ids=ids, labels=ids).loss
         booster.backward(loss, optimizer)
         optimizer.clip_grad_by_norm(1.0)

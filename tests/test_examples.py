@@ -16,11 +16,15 @@ def test_train_zero_example_runs_on_two_processes():
     env.pop("WORLD_SIZE", None)
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "train_zero.py"), "--steps", "8", "--seq-len", "32"],
-        capture_output=True, text=True, timeout=300, env=env, check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "plan: zero2, fp32, world_size=2" in out.stdout
-    line = next(l for l in out.stdout.splitlines() if l.startswith("loss "))
+    line = next(row for row in out.stdout.splitlines() if row.startswith("loss "))
     first, last = (float(x) for x in line.split()[1:4:2])
     assert last < first, line
 
@@ -28,6 +32,9 @@ def test_train_zero_example_runs_on_two_processes():
 def test_train_zero_example_rejects_bad_flag():
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "train_zero.py"), "--stage", "3"],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert out.returncode == 2 and "invalid choice: 3" in out.stderr

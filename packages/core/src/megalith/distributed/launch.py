@@ -84,10 +84,17 @@ def relaunch(nproc_per_node: int, argv: list[str], module: str | None = None) ->
         raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
     target = ["-m", module] if module else [sys.argv[0]]
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nproc-per-node={nproc_per_node}", "--nnodes=1", "--node-rank=0",
-        "--master-addr=127.0.0.1", f"--master-port={free_loopback_port()}",
-        *(["--module"] if module else []), *(target[1:] if module else target), *argv,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc_per_node}",
+        "--nnodes=1",
+        "--node-rank=0",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_loopback_port()}",
+        *(["--module"] if module else []),
+        *(target[1:] if module else target),
+        *argv,
     ]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))

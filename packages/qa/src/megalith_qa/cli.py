@@ -1,0 +1,187 @@
+"""`qa-serve`: start the server (default), `qa-serve ingest PATH...`, `qa-serve eval`.
+
+Data directory (Chroma database, converted model cache, evaluation output): `--data-dir`, else the
+environment variable MEGALITH_DATA_DIR, else ~/.cache/megalith/qa.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from megalith.common.errors import MegalithError
+from megalith.common.logging import configure_logging
+from megalith_qa import __version__
+from megalith_qa.config import QAConfig, ServerConfig, resolve_data_dir
+from megalith_qa.pipeline import build_pipeline
+
+logger = logging.getLogger(__name__)
+COMMANDS = ("serve", "ingest", "eval")
+DESCRIPTION = (
+    "Retrieval-augmented QA over a local knowledge base (Python's documentation topics, this project's "
+    "READMEs, and files you add). Commands: serve (default), ingest PATH..., eval. Data directory: "
+    "--data-dir, else $MEGALITH_DATA_DIR, else ~/.cache/megalith/qa."
+)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--data-dir",
+        default=None,
+        help="where the Chroma database and caches live (default: $MEGALITH_DATA_DIR or ~/.cache/megalith/qa)",
+    )
+    parser.add_argument(
+        "--chroma-url",
+        default=None,
+        help="use a Chroma server (e.g. http://127.0.0.1:8001 started by `chroma run`) instead of the embedded database",
+    )
+    parser.add_argument(
+        "--embedder",
+        default="minilm",
+        help="embedding model: 'minilm' (all-MiniLM-L6-v2, default) or 'hashing' (fast feature hashing, for tests)",
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qa-serve", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"megalith-qa {__version__}")
+    sub = parser.add_subparsers(dest="command")
+    serve = sub.add_parser(
+        "serve", help="start the HTTP server (the default command)", description=DESCRIPTION
+    )
+    _common(serve)
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need --api-key)"
+    )
+    serve.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("MEGALITH_QA_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every endpoint but /healthz (env MEGALITH_QA_API_KEY)",
+    )
+    serve.add_argument(
+        "--llm",
+        choices=("smollm2", "extractive"),
+        default="smollm2",
+        help="answer generator: SmolLM2-135M-Instruct (default) or extractive (best-matching sentences; fast)",
+    )
+    serve.add_argument(
+        "--max-upload-mb", type=float, default=10.0, help="largest accepted upload in MiB (default 10)"
+    )
+    serve.add_argument(
+        "--max-new-tokens", type=int, default=128, help="default answer length limit in tokens (default 128)"
+    )
+    serve.add_argument(
+        "--no-builtin", action="store_true", help="do not ingest the built-in knowledge base at start"
+    )
+    ingest = sub.add_parser("ingest", help="add files or folders to the knowledge base")
+    _common(ingest)
+    ingest.add_argument(
+        "paths", nargs="+", help="files (txt, md, html, pdf, csv, json, jsonl) or folders to ingest"
+    )
+    ev = sub.add_parser("eval", help="hit@1/5/10, MRR and nDCG@10 of dense, BM25 and hybrid retrieval")
+    _common(ev)
+    ev.add_argument(
+        "--eval-set", default=None, help="JSON-lines question set (default: the one shipped with the package)"
+    )
+    ev.add_argument(
+        "--out", default=None, help="where to write the JSON results (default DATA_DIR/eval.json)"
+    )
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or (args[0] not in COMMANDS and args[0] not in ("-h", "--help", "--version")):
+        args = ["serve", *args]
+    return build_parser().parse_args(args)
+
+
+def make_config(ns: argparse.Namespace, llm: str = "extractive") -> QAConfig:
+    server = ServerConfig(
+        host=getattr(ns, "host", "127.0.0.1"),
+        port=getattr(ns, "port", 8000),
+        api_key=getattr(ns, "api_key", None),
+        max_upload_bytes=int(getattr(ns, "max_upload_mb", 10.0) * 1024 * 1024),
+        max_new_tokens=getattr(ns, "max_new_tokens", 128),
+    )
+    return QAConfig(
+        data_dir=resolve_data_dir(ns.data_dir),
+        chroma_url=ns.chroma_url,
+        llm=getattr(ns, "llm", llm),
+        server=server,
+    )
+
+
+def cmd_ingest(ns: argparse.Namespace) -> int:
+    pipeline = build_pipeline(make_config(ns), ns.embedder)
+    results = pipeline.kb.ingest_paths(ns.paths, progress=True)
+    for r in results:
+        print(f"{r.status:<9} {r.chunks:>5} chunks  {r.source}  (id {r.doc_id})")
+    return 0
+
+
+def cmd_eval(ns: argparse.Namespace) -> int:
+    from megalith_qa.evaluation import evaluate, format_table, load_eval_set, to_json
+
+    config = make_config(ns)
+    pipeline = build_pipeline(config, ns.embedder)
+    pipeline.ingest_builtin(progress=True)
+    items = load_eval_set(Path(ns.eval_set) if ns.eval_set else None)
+    scores = evaluate(pipeline.retriever, items, progress=True)
+    print(format_table(scores))
+    extra = {
+        "embedder": pipeline.kb.embedder.name,
+        "chunks": pipeline.kb.store.count(),
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    out = Path(ns.out) if ns.out else config.data_dir / "eval.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(to_json(scores, extra), indent=2), encoding="utf-8")
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    from megalith_qa.server import create_app
+
+    start = time.perf_counter()
+    config = make_config(ns)
+    pipeline = build_pipeline(config, ns.embedder)
+    if not ns.no_builtin:
+        pipeline.ingest_builtin(progress=True)
+    load = getattr(pipeline.generator, "load", None)
+    if load is not None:  # warm the model in the background; the first answer waits for it if needed
+        threading.Thread(target=load, name="llm-warmup", daemon=True).start()
+    app = create_app(pipeline)
+    print(f"megalith-qa ready in {time.perf_counter() - start:.1f}s; data in {config.data_dir}", flush=True)
+    print(f"Serving on http://{config.server.host}:{config.server.port}  (API docs at /docs)", flush=True)
+    uvicorn.run(app, host=config.server.host, port=config.server.port, log_level=ns.log_level.lower())
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = parse_args(argv)
+    configure_logging(getattr(logging, str(ns.log_level).upper(), logging.INFO))
+    os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
+    try:
+        return {"serve": cmd_serve, "ingest": cmd_ingest, "eval": cmd_eval}[ns.command](ns)
+    except MegalithError as exc:
+        print(f"qa-serve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

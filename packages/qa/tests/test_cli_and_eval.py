@@ -1,0 +1,147 @@
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from megalith.common.errors import ConfigError, DataError
+from megalith_qa.cli import build_parser, main, make_config, parse_args
+from megalith_qa.config import resolve_data_dir
+from megalith_qa.evaluation import hit_at, load_eval_set, ndcg, reciprocal_rank
+
+
+def test_metrics_by_hand() -> None:
+    rel = frozenset({"A"})
+    ranked = ["B", "C", "A", "A"]
+    assert hit_at(ranked, rel, 1) == 0.0 and hit_at(ranked, rel, 3) == 1.0
+    assert reciprocal_rank(ranked, rel) == pytest.approx(1 / 3)
+    # relevant at ranks 3 and 4, 2 relevant chunks in the index: (1/log2 4 + 1/log2 5) / (1 + 1/log2 3)
+    assert ndcg(ranked, rel, n_relevant=2) == pytest.approx((0.5 + 1 / math.log2(5)) / (1 + 1 / math.log2(3)))
+    assert ndcg(["B"], rel, n_relevant=0) == 0.0
+
+
+def test_shipped_eval_set_covers_real_topics() -> None:
+    from pydoc_data.topics import topics
+
+    items = load_eval_set()
+    assert len(items) >= 80
+    assert all(s.removeprefix("pydoc:") in topics for item in items for s in item.relevant)
+
+
+def test_bad_eval_row_names_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "set.jsonl"
+    path.write_text('{"question": "q", "topic": "if"}\n{"question": "no topic"}\n')
+    with pytest.raises(DataError, match=r"set\.jsonl:2"):
+        load_eval_set(path)
+
+
+def test_data_dir_resolution(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("MEGALITH_DATA_DIR", str(tmp_path / "env"))
+    assert resolve_data_dir(None) == (tmp_path / "env").resolve()
+    assert resolve_data_dir(tmp_path / "flag") == (tmp_path / "flag").resolve()
+    monkeypatch.delenv("MEGALITH_DATA_DIR")
+    assert resolve_data_dir(None) == Path("~/.cache/megalith/qa").expanduser().resolve()
+
+
+def test_zero_arg_parses_as_serve_and_help_documents_data_dir(capsys: pytest.CaptureFixture[str]) -> None:
+    ns = parse_args([])
+    assert ns.command == "serve" and ns.host == "127.0.0.1" and ns.port == 8000 and ns.llm == "smollm2"
+    assert parse_args(["--llm", "extractive"]).llm == "extractive"
+    help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore[union-attr]
+    assert "MEGALITH_DATA_DIR" in help_text and "--chroma-url" in help_text
+
+
+def test_non_loopback_host_requires_api_key() -> None:
+    with pytest.raises(ConfigError, match="0.0.0.0"):
+        make_config(parse_args(["--host", "0.0.0.0"]))
+    assert make_config(parse_args(["--host", "0.0.0.0", "--api-key", "k"])).server.api_key == "k"
+    assert main(["--host", "10.1.2.3"]) == 2
+
+
+def test_cli_ingest_then_reingest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = tmp_path / "otters.md"
+    doc.write_text("Sea otters hold hands while they sleep.")
+    args = ["ingest", str(doc), "--data-dir", str(tmp_path / "d"), "--embedder", "hashing"]
+    assert main(args) == 0
+    assert "added" in capsys.readouterr().out
+    assert main(args) == 0
+    assert "unchanged" in capsys.readouterr().out
+    assert main(["ingest", str(tmp_path / "missing.txt"), "--data-dir", str(tmp_path / "d")]) == 2
+
+
+def test_cli_eval_writes_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    small = tmp_path / "small.jsonl"
+    small.write_text(
+        '{"question": "What does the pass statement do?", "topic": "pass"}\n'
+        '{"question": "How does the while loop else clause work?", "topic": "while"}\n'
+    )
+    out = tmp_path / "eval.json"
+    args = [
+        "eval",
+        "--embedder",
+        "hashing",
+        "--data-dir",
+        str(tmp_path / "d"),
+        "--eval-set",
+        str(small),
+        "--out",
+        str(out),
+    ]
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert "hit@5" in table and "nDCG@10" in table
+    result = json.loads(out.read_text())
+    assert set(result["modes"]) == {"dense", "bm25", "hybrid"}
+    for scores in result["modes"].values():
+        assert scores["questions"] == 2
+        assert 0 <= scores["hit_at_1"] <= scores["hit_at_5"] <= scores["hit_at_10"] <= 1
+    assert result["modes"]["bm25"]["hit_at_1"] == 1.0  # both questions name their topic's keyword
+
+
+def test_serve_subprocess_starts_and_reuses_index(
+    tmp_path: Path, free_port_factory: Callable[[], int]
+) -> None:
+    env = {**os.environ, "MEGALITH_DATA_DIR": str(tmp_path / "data")}
+    for attempt in range(2):
+        port = free_port_factory()
+        cmd = [
+            sys.executable,
+            "-m",
+            "megalith_qa.cli",
+            "--port",
+            str(port),
+            "--llm",
+            "extractive",
+            "--embedder",
+            "hashing",
+        ]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as resp:
+                        assert json.loads(resp.read())["status"] == "ok"
+                        break
+                except OSError:
+                    assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+                    assert time.monotonic() < deadline, "server did not become ready"
+                    time.sleep(0.2)
+        finally:
+            proc.terminate()
+            output = proc.communicate(timeout=20)[0]
+        assert f"Serving on http://127.0.0.1:{port}" in output
+        found = re.search(r"(\d+) sources, (\d+) \(re\)embedded", output)
+        assert found, output[-2000:]
+        sources, embedded = int(found[1]), int(found[2])
+        assert sources >= 79  # every pydoc topic, plus the project's non-empty READMEs
+        assert embedded == (sources if attempt == 0 else 0)
