@@ -1,6 +1,15 @@
 """Parallel dimensions, device mesh, launch, collectives and the stateful sampler (layer 2)."""
 
-from megalith.distributed.collectives import all_reduce_scalar, barrier, broadcast_object, rank, world_size
+from megalith.distributed.collectives import (
+    Handle,
+    all_gather_flat,
+    all_reduce_scalar,
+    barrier,
+    broadcast_object,
+    rank,
+    reduce_scatter_flat,
+    world_size,
+)
 from megalith.distributed.dims import AXES, ParallelDims
 from megalith.distributed.launch import LaunchInfo, launch, relaunch, shutdown, under_launcher
 from megalith.distributed.mesh import axis_group, build_mesh
@@ -8,6 +17,9 @@ from megalith.distributed.sampler import StatefulDataLoader, StatefulDistributed
 
 __all__ = [
     "AXES",
+    "Handle",
+    "all_gather_flat",
+    "reduce_scatter_flat",
     "LaunchInfo",
     "ParallelDims",
     "StatefulDataLoader",

@@ -16,12 +16,14 @@ class ZeroConfig:
 
     bucket_size_mb: size bound of one flat bucket (the unit of reduce-scatter / all-gather).
     overlap_communication: launch each bucket's reduce-scatter from backward hooks as it fills.
+        None (default) = on for CUDA, off for CPU: with gloo the communication thread competes with
+        compute for the same cores, so overlap slows CPU training (benchmarks/zero_vs_ddp.py).
     cpu_offload: keep fp32 masters and optimizer states in host memory and update there.
     """
 
     stage: int = 2
     bucket_size_mb: float = 25.0
-    overlap_communication: bool = True
+    overlap_communication: bool | None = None
     cpu_offload: bool = False
 
     def __post_init__(self) -> None:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalith.distributed import all_gather_flat, reduce_scatter_flat
 from megalith.optim import BoostedOptimizer, DynamicLossScaler, PieceRef
 from megalith.zero.buckets import FlatBucket, make_buckets
 from megalith.zero.config import ZeroConfig
@@ -54,6 +55,10 @@ class ZeroOptimizer(BoostedOptimizer):
         self._next_launch = 0
         self._hooks: list[Any] = []
         self._got_grad: set[int] = set()
+        self.overlap = config.overlap_communication
+        first = next((p for g in optim.param_groups for p in g["params"]), None)
+        if self.overlap is None:
+            self.overlap = first is not None and first.device.type == "cuda"
         for group in optim.param_groups:
             params = [(named_params[p], p) for p in group["params"] if p.requires_grad]
             # Reverse registration order ≈ the order backward produces gradients.
@@ -103,7 +108,7 @@ class ZeroOptimizer(BoostedOptimizer):
     # -- gradient reduction -----------------------------------------------------------------------
     def _on_grad(self, param: torch.Tensor) -> None:
         self._got_grad.add(id(param))
-        if not self.sync_gradients or not self.config.overlap_communication:
+        if not self.sync_gradients or not self.overlap:
             return
         index = self._bucket_of[id(param)]
         bucket = self.buckets[index]
@@ -126,11 +131,13 @@ class ZeroOptimizer(BoostedOptimizer):
                 s.param.grad = None  # stage 2 keeps only the shard
         out = torch.empty(bucket.shard_numel, dtype=flat.dtype, device=flat.device)
         if self.dp_size > 1:
-            work = dist.reduce_scatter_tensor(out, flat, group=self.dp_group, async_op=async_op)
+            # On gloo `flat` is scratch afterwards: under stage 1 the p.grad views of other ranks'
+            # chunks hold partial sums, which is why the reduced shard is read from `out` only.
+            work = reduce_scatter_flat(out, flat, group=self.dp_group, async_op=async_op)
         else:
             out.copy_(flat)
             work = None
-        self._pending.append(_Pending(bucket, out, work if async_op else None))
+        self._pending.append(_Pending(bucket, out, work))
 
     def _finish_backward(self) -> None:
         while self._next_launch < len(self.buckets):
@@ -159,12 +166,7 @@ class ZeroOptimizer(BoostedOptimizer):
                 if master is not bucket.shard:
                     bucket.shard.copy_(master, non_blocking=True)
                 if self.dp_size > 1:
-                    # The shard is a slice of `flat`; send a copy so input and output never alias.
-                    works.append(
-                        dist.all_gather_into_tensor(
-                            bucket.flat, bucket.shard.clone(), group=self.dp_group, async_op=True
-                        )
-                    )
+                    works.append(all_gather_flat(bucket.flat, group=self.dp_group, async_op=True))
         for w in works:
             w.wait()
 
