@@ -56,7 +56,7 @@ def broadcast_object(obj: object, src: int = 0, group: dist.ProcessGroup | None 
 class Handle:
     """Completion handle for a composite collective; `wait()` finishes it (idempotent)."""
 
-    def __init__(self, works: list[Any], then: Callable[[], None] | None = None) -> None:
+    def __init__(self, works: list[Any], then: Callable[[], object] | None = None) -> None:
         self._works, self._then = works, then
 
     def wait(self) -> None:
