@@ -8,17 +8,14 @@ It re-launches itself through torch.distributed.run; under an existing torchrun 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
 import argparse
 import sys
 import time
-
-import torch
-from tqdm import tqdm
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from megalith.booster import Booster, plan
-from megalith.booster.plugins import ZeroPlugin
-from megalith.distributed import launch, relaunch, shutdown, under_launcher
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -35,6 +32,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def synthetic_batch(step: int, rank: int, batch: int, seq: int, vocab: int) -> torch.Tensor:
     """A learnable toy language: each sequence counts upward modulo the vocabulary from a random start."""
+    import torch
+
     g = torch.Generator().manual_seed(step * 1000 + rank)
     start = torch.randint(0, vocab, (batch, 1), generator=g)
     return (start + torch.arange(seq)) % vocab
@@ -42,8 +41,17 @@ def synthetic_batch(step: int, rank: int, batch: int, seq: int, vocab: int) -> t
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    from megalith.distributed import launch, relaunch, shutdown, under_launcher
+
     if args.nproc_per_node > 1 and not under_launcher():
         return relaunch(args.nproc_per_node, sys.argv[1:])
+    import torch
+    from tqdm import tqdm
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megalith.booster import Booster, plan
+    from megalith.booster.plugins import ZeroPlugin
+
     info = launch()
     torch.manual_seed(0)
     config = LlamaConfig(

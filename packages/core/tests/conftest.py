@@ -13,6 +13,11 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="megalith-hf-"))
 
 
+# Import the heavy modelling code once in the pytest process: forked ranks inherit it instead of
+# each importing transformers' Llama (seconds per rank on 2 cores).
+import transformers.models.llama.modeling_llama  # noqa: F401
+
+
 @pytest.fixture(autouse=True)
 def _offline_hf(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
