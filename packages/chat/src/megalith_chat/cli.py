@@ -1,7 +1,8 @@
 """``chat-train``: command-line entry point of megalith-chat.
 
-Subcommands available now:
-
+* ``grpo``          GRPO with Ray rollout producers and a ZeRO consumer group (the default: plain
+  ``chat-train`` runs it on the built-in arithmetic task with SmolLM2-135M-Instruct);
+* ``sft`` / ``dpo`` / ``rm``  supervised fine-tuning, DPO and reward-model training on the Booster;
 * ``inspect-data``  print samples of a JSONL dataset (or a built-in task) as the model will see
   them, with the loss mask highlighted;
 * ``make-task``     write a built-in verifiable task (arithmetic, reverse) as a JSONL prompt dataset.
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from megalith.common.errors import ConfigError, MegalithError
 from megalith.common.logging import configure_logging
+from megalith_chat.commands import add_grpo_parser, add_supervised_parsers, run_grpo, run_supervised
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +75,13 @@ def _add_make_task_parser(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="chat-train",
-        description="megalith-chat: data inspection and task generation for RLHF / GRPO training.",
+        description="megalith-chat: RLHF (SFT, reward model, DPO) and GRPO with a distributed "
+        "producer-consumer on Ray. Without a command, runs `grpo` with its defaults.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_grpo_parser(sub)
+    add_supervised_parsers(sub)
     _add_inspect_parser(sub)
     _add_make_task_parser(sub)
     return parser
@@ -117,9 +122,20 @@ def _make_task(args: argparse.Namespace) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a subcommand; returns the process exit code (2 on a user error, with the reason on stderr)."""
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # zero-argument run: GRPO with every default
+        args = parser.parse_args([*argv, "grpo"])
     configure_logging(logging.DEBUG if args.verbose else logging.WARNING)
-    handlers = {"inspect-data": _inspect_data, "make-task": _make_task}
+    handlers = {
+        "inspect-data": _inspect_data,
+        "make-task": _make_task,
+        "grpo": run_grpo,
+        "sft": run_supervised,
+        "dpo": run_supervised,
+        "rm": run_supervised,
+    }
     try:
         print(handlers[args.command](args))
     except MegalithError as exc:

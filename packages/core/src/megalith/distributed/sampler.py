@@ -102,6 +102,8 @@ class StatefulDataLoader(DataLoader):
         for batch in super().__iter__():
             self.sampler.advance(self.batch_size or 1)
             yield batch
+        # Epoch exhausted (a dropped partial batch included): the next iterator starts a new epoch.
+        self.sampler.consumed = self.sampler.num_samples
 
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()

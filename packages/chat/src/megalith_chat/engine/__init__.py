@@ -1,0 +1,1 @@
+"""megalith_chat.engine (see the modules)."""

@@ -1,0 +1,106 @@
+"""Configuration of a distributed GRPO run (frozen dataclasses that validate themselves)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megalith.common.errors import ConfigError
+from megalith_chat.modeling import LoraSpec
+from megalith_chat.rollout.producer import RolloutConfig
+from megalith_chat.trainer.grpo import LearnerConfig
+from megalith_chat.trainer.setup import PLUGINS, PRECISIONS
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Ray placement, queueing, staleness and timeouts of the producer-consumer loop."""
+
+    num_producers: int = 1
+    num_consumers: int = 2
+    max_staleness: int = 1
+    queue_size: int = 2
+    ray_address: str | None = None
+    num_cpus: int | None = None  # local cluster only; default: os.cpu_count()
+    threads_per_actor: int = 1
+    startup_timeout_s: float = 300.0
+    rollout_timeout_s: float = 300.0
+    step_timeout_s: float = 300.0
+    sync_timeout_s: float = 120.0
+    sync_bucket_mb: float = 32.0
+
+    def __post_init__(self) -> None:
+        if self.num_producers < 1 or self.num_consumers < 1:
+            raise ConfigError(
+                f"need >= 1 producer and consumer, got {self.num_producers} and {self.num_consumers}"
+            )
+        if self.max_staleness < 0 or self.queue_size < 1 or self.threads_per_actor < 1:
+            raise ConfigError(
+                f"need max_staleness >= 0, queue_size >= 1, threads_per_actor >= 1; got "
+                f"{self.max_staleness}, {self.queue_size}, {self.threads_per_actor}"
+            )
+        timeouts = (self.startup_timeout_s, self.rollout_timeout_s, self.step_timeout_s, self.sync_timeout_s)
+        if min(timeouts) <= 0:
+            raise ConfigError(f"every timeout must be > 0, got {timeouts}")
+
+
+@dataclass(frozen=True)
+class PromptSource:
+    """Where prompts and rewards come from: a built-in task or a JSONL file plus a reward spec."""
+
+    task: str | None = "arithmetic"
+    prompts_file: str | None = None
+    reward: str | None = None  # reward spec; default: the task's reward
+    num_prompts: int = 512
+    seed: int = 0
+    task_options: tuple[tuple[str, int | str], ...] = ()
+    system_prompt: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.task is None) == (self.prompts_file is None):
+            raise ConfigError("give exactly one of a built-in task or a prompts file")
+        if self.prompts_file is not None and self.reward is None:
+            raise ConfigError("a prompts file needs a reward spec (e.g. 'math=1,answer_format=0.2')")
+        if self.num_prompts < 1:
+            raise ConfigError(f"num_prompts must be >= 1, got {self.num_prompts}")
+
+
+@dataclass(frozen=True)
+class GRPORunConfig:
+    """Everything a ``chat-train grpo`` run needs."""
+
+    model: str = "smollm2"
+    out_dir: str = "runs/grpo"
+    data_dir: str | None = None
+    prompts: PromptSource = field(default_factory=PromptSource)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    lora: LoraSpec | None = None
+    steps: int = 20
+    prompts_per_step: int = 2
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    plugin: str = "zero2"
+    precision: str = "fp32"
+    seed: int = 0
+    save_every: int = 0
+    resume: bool = False
+    eval_every: int = 0
+    eval_prompts: int = 0
+    export: bool = True
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.prompts_per_step < 1:
+            raise ConfigError(
+                f"need steps >= 1 and prompts_per_step >= 1, got {self.steps}, {self.prompts_per_step}"
+            )
+        if self.plugin not in PLUGINS or self.precision not in PRECISIONS:
+            raise ConfigError(f"plugin must be one of {PLUGINS} and precision one of {PRECISIONS}")
+        if self.lr <= 0 or self.save_every < 0 or self.eval_every < 0 or self.eval_prompts < 0:
+            raise ConfigError("need lr > 0 and save_every, eval_every, eval_prompts >= 0")
+        samples = self.prompts_per_step * self.rollout.group_size
+        if samples % self.engine.num_consumers:
+            raise ConfigError(
+                f"prompts_per_step * group_size = {samples} samples must divide evenly over "
+                f"{self.engine.num_consumers} consumer ranks"
+            )

@@ -1,0 +1,68 @@
+"""Run metrics: one JSON object per step in ``metrics.jsonl`` and a reward-curve PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+
+class MetricsWriter:
+    """Appends ``{"step": ..., **metrics}`` lines (flushed per line, so a crash keeps what was logged)."""
+
+    def __init__(self, path: str | Path, append: bool = False) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a" if append else "w", encoding="utf-8")
+        self.rows: list[dict[str, Any]] = []
+
+    def write(self, row: Mapping[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+        self.rows.append(clean)
+        self._f.write(json.dumps(clean) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_reward_curve(rows: Sequence[Mapping[str, Any]], out: str | Path, title: str = "GRPO") -> Path:
+    """Reward mean ± std per step (and accuracy) as a PNG, drawn with matplotlib's Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows if r.get("reward_mean") is not None]
+    mean = [r["reward_mean"] for r in rows if r.get("reward_mean") is not None]
+    std = [r.get("reward_std") or 0.0 for r in rows if r.get("reward_mean") is not None]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.plot(steps, mean, label="reward mean", color="tab:blue")
+    ax.fill_between(
+        steps,
+        [m - s for m, s in zip(mean, std)],
+        [m + s for m, s in zip(mean, std)],
+        alpha=0.2,
+        color="tab:blue",
+        label="± std",
+    )
+    acc = [(r["step"], r["accuracy"]) for r in rows if r.get("accuracy") is not None]
+    if acc:
+        ax.plot([a for a, _ in acc], [b for _, b in acc], label="accuracy", color="tab:green")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.set_title(title)
+    ax.legend(loc="best")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out)
+    plt.close(fig)
+    return out

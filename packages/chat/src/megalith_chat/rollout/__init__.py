@@ -1,0 +1,1 @@
+"""megalith_chat.rollout (see the modules)."""

@@ -1,0 +1,1 @@
+"""megalith_chat.trainer (see the modules)."""

@@ -1,0 +1,181 @@
+"""The GRPO learner: one optimizer step on a :class:`~megalith_chat.messages.RolloutBatch`.
+
+Per step, with ``B = num_prompts * G`` rows and ``dp`` data-parallel ranks:
+
+1. advantages on the whole batch: ``A = grpo_advantages(r, G)`` (or Dr.GRPO / RLOO), ``[B]``;
+   with ``shuffle_advantages`` they are randomly permuted -- a negative control that must not learn;
+2. rank ``k`` takes rows ``[k B/dp, (k+1) B/dp)`` and splits them into micro-batches;
+3. per micro-batch: ``logp = log pi_theta(y_t)`` (one forward, logits / temperature), the
+   behaviour log-probs ``logp_old`` = the producer's rollout log-probs, the PPO-clip loss of
+   :func:`~megalith_chat.algorithms.policy_loss` (+ ``kl_coef`` * k3-KL to the frozen reference),
+   rescaled so that the sum over micro-batches and the dp gradient *average* equal the gradient of
+   the loss aggregated over the global batch; backward under ``booster.no_sync`` except the last;
+4. clip the global gradient norm, optimizer step.
+
+Pure torch + the megalith Booster: no Ray here, so a step is testable under ``run_distributed``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalith.booster import Booster
+from megalith.common.errors import ConfigError
+from megalith_chat.algorithms import (
+    PolicyLossConfig,
+    dr_grpo_advantages,
+    grpo_advantages,
+    kl_estimate,
+    masked_mean,
+    policy_loss,
+    rloo_advantages,
+)
+from megalith_chat.messages import RolloutBatch
+from megalith_chat.rollout.batching import select_rows
+from megalith_chat.rollout.generation import response_logprobs
+from megalith_chat.trainer.setup import all_reduce_mean, dp_info, shard_bounds
+
+ADVANTAGES = {"grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages, "rloo": rloo_advantages}
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    """How a rollout batch becomes one optimizer step (see module docstring)."""
+
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    advantage: str = "grpo"
+    micro_batch_size: int = 8
+    max_grad_norm: float = 1.0
+    temperature: float = 1.0
+    shuffle_advantages: bool = False
+    track_kl: bool = True
+
+    def __post_init__(self) -> None:
+        if self.advantage not in ADVANTAGES:
+            raise ConfigError(
+                f"unknown advantage estimator {self.advantage!r}; expected {sorted(ADVANTAGES)}"
+            )
+        if self.micro_batch_size < 1:
+            raise ConfigError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.max_grad_norm <= 0:
+            raise ConfigError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+
+
+def compute_advantages(batch: RolloutBatch, config: LearnerConfig, step: int) -> torch.Tensor:
+    """Sequence advantages ``[B]``; the negative control permutes them with a step-seeded generator."""
+    adv = ADVANTAGES[config.advantage](batch.rewards, batch.group_size)
+    if config.shuffle_advantages:
+        perm = torch.randperm(adv.numel(), generator=torch.Generator().manual_seed(10_007 + step))
+        adv = adv[perm]
+    return adv
+
+
+def _denominator(mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """What ``aggregate_loss`` divides by: tokens (token-mean) or non-empty sequences (seq-* modes)."""
+    m = mask.float()
+    return m.sum() if mode == "token-mean" else (m.sum(dim=-1) > 0).float().sum()
+
+
+class GRPOLearner:
+    """Consumer side of GRPO: holds the boosted policy, the optimizer and the reference model."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Any,
+        booster: Booster,
+        config: LearnerConfig,
+        ref_model: nn.Module | None = None,
+    ) -> None:
+        self.model, self.optimizer, self.booster, self.config = model, optimizer, booster, config
+        self.ref_model = ref_model
+        self.dp_rank, self.dp_size, self.dp_group = dp_info(booster)
+        if config.loss.kl_coef > 0 and ref_model is None and not self._has_adapter():
+            raise ConfigError(f"kl_coef={config.loss.kl_coef} needs a reference model")
+
+    def _has_adapter(self) -> bool:
+        return hasattr(self.booster.unwrap(self.model), "disable_adapter")
+
+    @torch.no_grad()
+    def _ref_logprobs(self, rows: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        args = (rows["prompt_ids"], rows["prompt_mask"], rows["response_ids"], rows["response_mask"])
+        if self.ref_model is not None:
+            return response_logprobs(self.ref_model, *args, temperature=self.config.temperature)
+        if self._has_adapter():
+            with self.booster.unwrap(self.model).disable_adapter():
+                return response_logprobs(self.model, *args, temperature=self.config.temperature)
+        return None
+
+    def _global_denominator(self, mask: torch.Tensor) -> float:
+        d = _denominator(mask, self.config.loss.agg_mode).double()
+        if dist.is_initialized() and self.dp_size > 1:
+            dist.all_reduce(d, group=self.dp_group)
+        return max(float(d), 1.0)
+
+    def step(self, batch: RolloutBatch, step: int = 0) -> dict[str, float]:
+        """One optimizer step on the full batch (every dp rank receives the same batch)."""
+        adv = compute_advantages(batch, self.config, step)
+        lo, hi = shard_bounds(batch.num_samples, self.dp_rank, self.dp_size)
+        rows = select_rows(batch, lo, hi)
+        adv = adv[lo:hi]
+        denom = self._global_denominator(rows["response_mask"])
+        mb = self.config.micro_batch_size
+        starts = list(range(0, hi - lo, mb))
+        sums: dict[str, float] = {}
+        for i, s in enumerate(starts):
+            micro = {k: v[s : s + mb] for k, v in rows.items()}
+            if i < len(starts) - 1:
+                with self.booster.no_sync(self.model, self.optimizer):
+                    out = self._micro_step(micro, adv[s : s + mb], denom)
+            else:
+                out = self._micro_step(micro, adv[s : s + mb], denom)
+            weight = float(micro["response_mask"].sum())
+            for k, v in out.items():
+                sums[k] = sums.get(k, 0.0) + v * weight
+        grad_norm = float(self.optimizer.clip_grad_by_norm(self.config.max_grad_norm))
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        tokens = max(float(rows["response_mask"].sum()), 1.0)
+        metrics = all_reduce_mean({k: v / tokens for k, v in sums.items()}, self.dp_group)
+        metrics["grad_norm"] = grad_norm
+        return metrics
+
+    def _micro_step(
+        self, micro: dict[str, torch.Tensor], adv: torch.Tensor, denom: float
+    ) -> dict[str, float]:
+        cfg = self.config
+        mask = micro["response_mask"].float()
+        ref = self._ref_logprobs(micro) if (cfg.loss.kl_coef > 0 or cfg.track_kl) else None
+        logp = response_logprobs(
+            self.model,
+            micro["prompt_ids"],
+            micro["prompt_mask"],
+            micro["response_ids"],
+            micro["response_mask"],
+            temperature=cfg.temperature,
+        )
+        mask = mask.to(logp.device)
+        old = micro["rollout_logprobs"].to(logp.device)
+        result = policy_loss(
+            cfg.loss,
+            logp,
+            old,
+            adv.to(logp.device),
+            mask,
+            ref_logprobs=ref.to(logp.device) if ref is not None else None,
+            rollout_logprobs=old,
+        )
+        # policy_loss reduced over this micro-batch; rescale to (micro sum) / (global denominator),
+        # times dp so that the optimizer's gradient average over ranks recovers the global mean.
+        scale = float(_denominator(mask, cfg.loss.agg_mode).clamp(min=1.0)) / denom * self.dp_size
+        self.booster.backward(result.loss * scale, self.optimizer)
+        metrics = dict(result.metrics)
+        if ref is not None and "kl" not in metrics:
+            metrics["kl"] = float(masked_mean(kl_estimate(logp.detach(), ref.to(logp.device)), mask))
+        metrics["mismatch_kl"] = float(masked_mean(kl_estimate(old, logp.detach(), "k3"), mask))
+        return metrics

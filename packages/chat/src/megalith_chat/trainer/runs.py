@@ -1,0 +1,97 @@
+"""Recipes of ``chat-train sft | dpo | rm``: load model and data, boost, run the shared loop, export."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from pathlib import Path
+from typing import Any
+
+from megalith.common.errors import ConfigError
+from megalith.distributed import rank as dist_rank
+from megalith_chat.modeling import (
+    LoraSpec,
+    export_hf,
+    is_peft,
+    load_policy,
+    load_tokenizer_dir,
+    resolve_model,
+)
+from megalith_chat.rollout.generation import pad_token_id
+from megalith_chat.trainer.loop import LoopConfig, train_loop
+from megalith_chat.trainer.setup import make_booster, make_optimizer
+from megalith_chat.trainer.supervised import (
+    ListDataset,
+    dpo_loss_fn,
+    load_reward_model,
+    pair_collate,
+    preference_dataset,
+    rm_loss,
+    sft_collate,
+    sft_dataset,
+    sft_loss,
+    with_reference_logps,
+)
+
+
+def _lora(args: argparse.Namespace) -> LoraSpec | None:
+    return LoraSpec(r=args.lora_r, alpha=args.lora_alpha) if args.lora_r > 0 else None
+
+
+def _model_and_data(
+    args: argparse.Namespace, model_dir: Path, tokenizer: Any
+) -> tuple[Any, ListDataset, Any]:
+    pad = pad_token_id(tokenizer)
+    if args.command == "sft":
+        return (
+            load_policy(model_dir, _lora(args), args.seed),
+            sft_dataset(str(args.data), tokenizer, args.max_length),
+            sft_collate(pad),
+        )
+    pairs = preference_dataset(str(args.data), tokenizer, args.max_length)
+    if args.command == "rm":
+        if args.lora_r > 0:
+            raise ConfigError("--lora-r is supported for sft, dpo and grpo, not for rm")
+        return load_reward_model(str(model_dir)), ListDataset(pairs), pair_collate(pad)
+    model = load_policy(model_dir, _lora(args), args.seed)
+    if is_peft(model):
+        with model.disable_adapter():
+            data = with_reference_logps(model, pairs, pad)
+    else:
+        data = with_reference_logps(copy.deepcopy(model).eval(), pairs, pad)
+    return model, data, pair_collate(pad)
+
+
+def run_supervised_command(args: argparse.Namespace) -> list[dict[str, float]]:
+    """One sft / dpo / rm run (inside an initialised process group, or a single process)."""
+    import torch
+
+    torch.manual_seed(args.seed)
+    model_dir = resolve_model(args.model, args.data_dir)
+    tokenizer = load_tokenizer_dir(model_dir)
+    model, dataset, collate = _model_and_data(args, model_dir, tokenizer)
+    booster = make_booster(args.plugin, args.precision)
+    optimizer = make_optimizer(model, args.lr)
+    model, optimizer, *_ = booster.boost(model, optimizer)
+    loader = booster.prepare_dataloader(
+        dataset, args.batch_size, shuffle=True, seed=args.seed, collate_fn=collate
+    )
+    loss_fn = {"sft": sft_loss, "rm": rm_loss}.get(args.command) or dpo_loss_fn(args.beta, args.loss_type)
+    config = LoopConfig(
+        steps=args.steps or 50,
+        grad_accum=args.grad_accum,
+        save_every=args.save_every,
+        resume=args.resume,
+        out_dir=args.out,
+    )
+    rows = train_loop(booster, model, optimizer, loader, loss_fn, config, progress=not args.no_progress)
+    out = Path(args.out) / "model"
+    plain = booster.unwrap(model)
+    if is_peft(plain):
+        if dist_rank() == 0:
+            export_hf(plain, tokenizer, out)
+    else:
+        booster.save_model(model, out)
+        if dist_rank() == 0:
+            tokenizer.save_pretrained(str(out))
+    return rows

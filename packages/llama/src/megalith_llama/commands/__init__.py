@@ -1,0 +1,1 @@
+"""One module per CLI command, each with `register(subparsers, parent)` and `run(args) -> int`."""

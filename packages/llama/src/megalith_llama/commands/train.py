@@ -1,0 +1,151 @@
+"""`train` (the default command): continual pretraining on the megalith Booster."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+HELP = "continual pretraining (default: SmolLM2-135M-Instruct on Python's own docs, 2 CPU ranks, ZeRO-2)"
+
+
+def add_training_flags(p: argparse.ArgumentParser, output: str) -> None:
+    """Flags shared by `train` and `sft`."""
+    from megalith_llama.train import TrainConfig
+
+    d = TrainConfig()
+    p.add_argument(
+        "--model", default=None, help="'smollm2' (default), a tiny config name, an HF directory or .gguf"
+    )
+    p.add_argument("--tokenizer", default=None, help="tokenizer override (default: the model's own)")
+    p.add_argument(
+        "--output",
+        default=output,
+        help=f"run directory: checkpoints, final model, metrics (default {output})",
+    )
+    p.add_argument("--plugin", default=d.plugin, help="parallelism plugin: ddp, zero1, zero2 (default zero2)")
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="processes to launch on this machine (default: 1 with CUDA, else 2); "
+        "re-launches through torch.distributed.run; under torchrun it joins",
+    )
+    p.add_argument(
+        "--precision", default=d.precision, choices=["fp32", "bf16", "fp16"], help="training precision"
+    )
+    p.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
+    p.add_argument(
+        "--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final LR as a fraction of the peak"
+    )
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="linear warmup steps")
+    p.add_argument(
+        "--schedule",
+        default=d.schedule,
+        choices=["cosine", "wsd", "constant"],
+        help="LR schedule after warmup: cosine decay, warmup-stable-decay, or constant",
+    )
+    p.add_argument(
+        "--decay-fraction", type=float, default=d.decay_fraction, help="wsd: fraction of steps spent decaying"
+    )
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
+    p.add_argument(
+        "--grad-accum", type=int, default=d.grad_accum, help="micro-batches accumulated per optimizer step"
+    )
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per rank per micro-batch")
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
+    p.add_argument("--max-steps", type=int, default=d.max_steps, help="optimizer steps")
+    p.add_argument(
+        "--max-tokens", type=int, default=None, help="stop after this many tokens (caps --max-steps)"
+    )
+    p.add_argument("--clip", type=float, default=d.clip, help="global gradient-norm clip")
+    p.add_argument(
+        "--save-every", type=int, default=d.save_every, help="checkpoint every N steps (and at the end)"
+    )
+    p.add_argument(
+        "--keep-checkpoints", type=int, default=d.keep_checkpoints, help="checkpoints kept on disk"
+    )
+    p.add_argument(
+        "--resume", default=None, help="'auto' (latest checkpoint in --output, if any) or a checkpoint path"
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=d.eval_every,
+        help="held-out loss every N steps (0: only before/after)",
+    )
+    p.add_argument(
+        "--eval-batches", type=int, default=d.eval_batches, help="held-out batches per rank per evaluation"
+    )
+    p.add_argument("--lora", action="store_true", help="train LoRA adapters (peft) instead of all weights")
+    p.add_argument("--lora-rank", type=int, default=d.lora_rank, help="LoRA rank")
+    p.add_argument("--seed", type=int, default=d.seed, help="random seed")
+    p.add_argument("--device", default="auto", help="cpu, cuda, or auto (default)")
+
+
+def register(sub: argparse._SubParsersAction, parent: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("train", parents=[parent], help=HELP, description=HELP)
+    add_training_flags(p, "runs/llama-pretrain")
+    p.add_argument(
+        "--data",
+        default=None,
+        help="a `prepare` output directory (default: the built-in corpus, prepared once)",
+    )
+    p.set_defaults(func=run)
+
+
+def default_nproc(device: str) -> int:
+    if device == "cpu":
+        return 2
+    import torch
+
+    return 1 if torch.cuda.is_available() else 2
+
+
+def relaunch_if_needed(args: argparse.Namespace) -> int | None:
+    """Re-run this command under torch.distributed.run when more than one process is wanted."""
+    from megalith.distributed import relaunch, under_launcher
+
+    nproc = args.nproc_per_node if args.nproc_per_node is not None else default_nproc(args.device)
+    if nproc > 1 and not under_launcher():
+        return relaunch(
+            nproc, [args.command, *_argv_after_command(args.command)], module="megalith_llama.cli"
+        )
+    return None
+
+
+def _argv_after_command(command: str) -> list[str]:
+    argv = sys.argv[1:]
+    return argv[argv.index(command) + 1 :] if command in argv else argv
+
+
+def config_from_args(args: argparse.Namespace) -> object:
+    from megalith_llama.train import TrainConfig
+
+    names = set(TrainConfig.__dataclass_fields__) - {"extra"}
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def run(args: argparse.Namespace) -> int:
+    code = relaunch_if_needed(args)
+    if code is not None:
+        return code
+    from megalith_llama.train import run_training
+
+    result = run_training(config_from_args(args))  # type: ignore[arg-type]
+    if int(os.environ.get("RANK", "0")) == 0:
+        print_summary(result)
+    return 0
+
+
+def print_summary(result: object) -> None:
+    r = result
+    lines = [
+        f"done: {r.steps} steps in {r.seconds:.0f} s",  # type: ignore[attr-defined]
+        f"held-out perplexity: {r.perplexity_before:.3f} -> {r.perplexity_after:.3f}",  # type: ignore[attr-defined]
+        f"checkpoints:   {r.checkpoints}",  # type: ignore[attr-defined]
+        f"final model:   {r.final_model}",  # type: ignore[attr-defined]
+        f"metrics:       {r.metrics}",  # type: ignore[attr-defined]
+        f"loss curve:    {r.plot}",  # type: ignore[attr-defined]
+    ]
+    print("\n".join(lines), flush=True)

@@ -1,0 +1,82 @@
+"""Atomic output: build a directory under a temporary name, fsync it, then rename it into place.
+
+A reader therefore sees either the complete previous output or the complete new one, never a
+half-written directory, even if the writer is killed midway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every regular file below `root`, then every directory (so the entries are durable)."""
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _apply_umask(root: Path) -> None:
+    """Give the tree ordinary permissions (mkdtemp/mkstemp create owner-only entries)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    root.chmod(0o777 & ~umask)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames:
+            os.chmod(os.path.join(dirpath, name), 0o777 & ~umask)
+        for name in filenames:
+            os.chmod(os.path.join(dirpath, name), 0o666 & ~umask)
+
+
+@contextlib.contextmanager
+def atomic_directory(target: str | os.PathLike[str], overwrite: bool = False) -> Iterator[Path]:
+    """Yield a fresh temporary directory next to `target`; on success it is fsynced and renamed to `target`.
+
+    On an exception the temporary directory is removed and `target` is left untouched.
+    With `overwrite`, an existing `target` is replaced (moved aside, then deleted after the rename).
+    """
+    target = Path(target).expanduser().resolve()
+    if target.exists() and not overwrite:
+        raise FileExistsError(f"{target} already exists (pass overwrite=True / --overwrite to replace it)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield tmp
+        _apply_umask(tmp)
+        fsync_tree(tmp)
+        old = None
+        if target.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.replace(target, old / "content")
+        os.replace(tmp, target)
+        _fsync_dir(target.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write `obj` as indented, key-sorted JSON (deterministic bytes for the same content)."""
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")

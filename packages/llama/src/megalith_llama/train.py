@@ -1,0 +1,370 @@
+"""Continual pretraining on the megalith Booster: the recipe behind `llama-pretrain train`.
+
+    launch → load model + tokenizer → prepared data (built-in corpus by default) → boost →
+    [resume] → eval before → train (accumulate, clip, step, schedule; metrics, checkpoints) →
+    eval after → HF export + loss curve.
+
+Every rank runs this; rank 0 writes metrics, plots and prints. Checkpoints go through
+`Booster.save_state` (atomic, exact resume: model, optimizer, scheduler, sampler, RNG, step).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megalith.common.errors import ConfigError
+from megalith_llama.schedule import lr_lambda
+from megalith_llama.train_utils import (
+    MetricsLog,
+    flops_per_token,
+    latest_checkpoint,
+    peak_flops,
+    plot_curve,
+    prune_checkpoints,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run needs (the CLI flags map one to one)."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    data: str | None = None
+    output: str = "runs/llama-pretrain"
+    data_dir: str | None = None
+    plugin: str = "zero2"
+    precision: str = "fp32"
+    lr: float = 3e-5
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 2
+    schedule: str = "cosine"
+    decay_fraction: float = 0.2
+    weight_decay: float = 0.01
+    grad_accum: int = 1
+    batch_size: int = 2
+    seq_len: int = 256
+    max_steps: int = 20
+    max_tokens: int | None = None
+    clip: float = 1.0
+    save_every: int = 10
+    keep_checkpoints: int = 2
+    resume: str | None = None
+    eval_every: int = 0
+    eval_batches: int = 8
+    lora: bool = False
+    lora_rank: int = 8
+    seed: int = 0
+    device: str = "auto"
+    log_every: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        positive = ("lr", "grad_accum", "batch_size", "seq_len", "max_steps", "save_every", "eval_batches")
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if self.schedule not in ("cosine", "wsd", "constant"):
+            raise ConfigError(f"--schedule must be cosine, wsd or constant, got {self.schedule!r}")
+        if self.max_tokens is not None and self.max_tokens <= 0:
+            raise ConfigError(f"--max-tokens must be > 0, got {self.max_tokens}")
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    output: Path
+    final_model: Path
+    checkpoints: Path
+    metrics: Path
+    plot: Path | None
+    steps: int
+    perplexity_before: float
+    perplexity_after: float
+    seconds: float
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def run_training(cfg: TrainConfig) -> TrainResult:
+    """Run (or resume) a training run; every rank calls this."""
+    from megalith.booster import Booster
+    from megalith.booster.plugins import make_plugin
+    from megalith.distributed import launch
+
+    start = time.perf_counter()
+    info = launch(device=cfg.device)
+    torch.manual_seed(cfg.seed + info.rank)
+    out = Path(cfg.output)
+    model, tokenizer, train_set, heldout = _load_inputs(cfg, info.device.torch)
+    plugin = make_plugin(cfg.plugin)
+    booster = Booster(plugin=plugin, precision=cfg.precision)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    total_steps = _total_steps(cfg)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lr_lambda(cfg.schedule, cfg.warmup_steps, total_steps, cfg.min_lr_ratio, cfg.decay_fraction),
+    )
+    loader = booster.prepare_dataloader(train_set, batch_size=cfg.batch_size, seed=cfg.seed)
+    model, optimizer, _, loader, scheduler = booster.boost(
+        model, optimizer, dataloader=loader, lr_scheduler=scheduler
+    )
+    assert optimizer is not None
+    step = _maybe_resume(cfg, booster, model, optimizer, scheduler, loader, out)
+    metrics = MetricsLog(out / "metrics.jsonl", enabled=info.rank == 0, truncate_after=step)
+    ppl_before = _heldout_ppl(booster.unwrap(model), heldout, cfg, info.device.torch)
+    if step == 0:
+        metrics.write({"step": 0, "event": "eval", "val_loss": math.log(ppl_before), "val_ppl": ppl_before})
+    loop = _Loop(cfg, booster, model, optimizer, scheduler, loader, metrics, out, heldout, info.device.torch)
+    loop.train(step, total_steps)
+    ppl_after = _heldout_ppl(booster.unwrap(model), heldout, cfg, info.device.torch)
+    metrics.write(
+        {"step": total_steps, "event": "eval", "val_loss": math.log(ppl_after), "val_ppl": ppl_after}
+    )
+    final = _export(booster, model, tokenizer, out)
+    plot = plot_curve(out / "metrics.jsonl", out / "loss.png") if info.rank == 0 else None
+    return TrainResult(
+        out,
+        final,
+        out / "checkpoints",
+        out / "metrics.jsonl",
+        plot,
+        total_steps,
+        ppl_before,
+        ppl_after,
+        time.perf_counter() - start,
+    )
+
+
+def _total_steps(cfg: TrainConfig) -> int:
+    if cfg.max_tokens is None:
+        return cfg.max_steps
+    per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len * _world()
+    return min(cfg.max_steps, max(1, cfg.max_tokens // per_step))
+
+
+def _load_inputs(cfg: TrainConfig, device: torch.device) -> tuple[Any, Any, Any, Any]:
+    from megalith.distributed import barrier
+    from megalith_llama.dataset import PackedDataset
+    from megalith_llama.eval import heldout_sequences
+    from megalith_llama.model import check_seq_len, load_model
+    from megalith_llama.train_utils import prepared_builtin
+
+    if _rank() == 0:  # first conversion of the default model happens once, on rank 0
+        loaded = load_model(cfg.model, tokenizer=cfg.tokenizer, data_dir=cfg.data_dir, seed=cfg.seed)
+    barrier()
+    if _rank() != 0:
+        loaded = load_model(cfg.model, tokenizer=cfg.tokenizer, data_dir=cfg.data_dir, seed=cfg.seed)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    check_seq_len(model.config, cfg.seq_len)
+    data = (
+        Path(cfg.data) if cfg.data else prepared_builtin(tokenizer, cfg.seq_len, cfg.data_dir, rank=_rank())
+    )
+    barrier()
+    train_set = PackedDataset(data)
+    train_set.check_compatible(tokenizer, model.config)
+    if train_set.seq_len != cfg.seq_len:
+        raise ConfigError(
+            f"--seq-len {cfg.seq_len} differs from the prepared data's seq_len {train_set.seq_len} ({data})"
+        )
+    heldout = heldout_sequences(tokenizer, cfg.seq_len)
+    if cfg.lora:
+        model = _apply_lora(model, cfg.lora_rank)
+    return model.to(device), tokenizer, train_set, heldout
+
+
+def _apply_lora(model: Any, rank: int) -> Any:
+    from megalith.common import require
+
+    peft = require("peft")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0)
+    return peft.get_peft_model(model, config)
+
+
+def _maybe_resume(
+    cfg: TrainConfig, booster: Any, model: Any, optimizer: Any, scheduler: Any, loader: Any, out: Path
+) -> int:
+    if cfg.resume is None:
+        return 0
+    path = latest_checkpoint(out / "checkpoints") if cfg.resume == "auto" else Path(cfg.resume)
+    if path is None:
+        logger.info("--resume auto: no checkpoint under %s, starting from step 0", out / "checkpoints")
+        return 0
+    meta = booster.load_state(path, model, optimizer, scheduler, loader)
+    logger.info("resumed from %s at step %d", path, meta["step"])
+    return int(meta["step"])
+
+
+def _heldout_ppl(model: Any, heldout: Any, cfg: TrainConfig, device: torch.device) -> float:
+    """Held-out perplexity: every rank evaluates a disjoint slice; token-weighted sums are all-reduced."""
+    from torch.utils.data import Subset
+
+    from megalith_llama.eval import evaluate
+
+    n = min(len(heldout), cfg.eval_batches * cfg.batch_size * _world())
+    mine = Subset(heldout, list(range(_rank(), n, _world())))
+    result = evaluate(model, mine, batch_size=cfg.batch_size, device=device)
+    sums = torch.tensor([result.loss * result.tokens, float(result.tokens)], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    model.train()
+    return math.exp(float(sums[0] / sums[1]))
+
+
+def _export(booster: Any, model: Any, tokenizer: Any, out: Path) -> Path:
+    final = out / "final"
+    unwrapped = booster.unwrap(model)
+    if hasattr(unwrapped, "merge_and_unload"):  # LoRA: export the merged plain model
+        unwrapped = unwrapped.merge_and_unload()
+    booster.save_model(unwrapped, final)  # every rank calls it; rank 0 writes, atomically
+    if _rank() == 0:
+        tokenizer.save_pretrained(str(final))
+    if dist.is_initialized():
+        dist.barrier()
+    return final
+
+
+class _Loop:
+    """The step loop: micro-batches with `no_sync`, clip, step, schedule, metrics, eval, checkpoints."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        booster: Any,
+        model: Any,
+        optimizer: Any,
+        scheduler: Any,
+        loader: Any,  # noqa: PLR0913
+        metrics: MetricsLog,
+        out: Path,
+        heldout: Any,
+        device: torch.device,
+    ) -> None:
+        self.cfg, self.booster, self.model, self.optimizer = cfg, booster, model, optimizer
+        self.scheduler, self.loader, self.metrics, self.out = scheduler, loader, metrics, out
+        self.heldout, self.device = heldout, device
+        config = booster.unwrap(model).config
+        self.flops_per_token = flops_per_token(booster.unwrap(model), config, cfg.seq_len)
+        self.peak = peak_flops(device, cfg.precision)
+        self._batches: Iterator[Any] = iter(())
+
+    def _next_batch(self) -> dict[str, torch.Tensor]:
+        from megalith_llama.dataset import model_inputs
+
+        try:
+            batch = next(self._batches)
+        except StopIteration:
+            self._batches = iter(self.loader)  # the sampler moves to the next epoch by itself
+            batch = next(self._batches)
+        dtype = next(self.model.parameters()).dtype
+        return {k: v.to(self.device) for k, v in model_inputs(batch, dtype).items()}
+
+    def _micro_steps(self) -> tuple[float, int]:
+        total, tokens = 0.0, 0
+        accum = self.cfg.grad_accum
+        for micro in range(accum):
+            batch = self._next_batch()
+            sync = micro == accum - 1
+            with self.booster.no_sync(self.model, self.optimizer) if not sync else _nullcontext():
+                loss = self.model(**batch).loss / accum
+                self.booster.backward(loss, self.optimizer)
+            total += float(loss.detach())
+            tokens += int(batch["input_ids"].numel())
+        return total, tokens
+
+    def train(self, start: int, total_steps: int) -> None:
+        from tqdm import tqdm
+
+        bar = tqdm(
+            range(start, total_steps),
+            initial=start,
+            total=total_steps,
+            disable=_rank() != 0,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+        )
+        tokens_seen, t0 = 0, time.perf_counter()
+        for step in bar:
+            loss, tokens = self._micro_steps()
+            grad_norm = self.optimizer.clip_grad_by_norm(self.cfg.clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            lr = self.scheduler.get_last_lr()[0]
+            self.scheduler.step()
+            stats = torch.tensor([loss, float(tokens)], dtype=torch.float64)
+            if dist.is_initialized():
+                dist.all_reduce(stats)
+            mean_loss, global_tokens = float(stats[0]) / _world(), int(stats[1])
+            tokens_seen += global_tokens
+            elapsed = time.perf_counter() - t0
+            tok_s = tokens_seen / elapsed
+            mfu = (tok_s * self.flops_per_token / (self.peak * _world())) if self.peak else None
+            self.metrics.write(
+                {
+                    "step": step + 1,
+                    "loss": mean_loss,
+                    "lr": lr,
+                    "grad_norm": grad_norm,
+                    "tokens": global_tokens,
+                    "tokens_per_s": tok_s,
+                    "mfu": mfu,
+                }
+            )
+            bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tok_s:.0f}", lr=f"{lr:.2e}")
+            self._periodic(step + 1, total_steps)
+
+    def _periodic(self, step: int, total_steps: int) -> None:
+        if self.cfg.eval_every and step % self.cfg.eval_every == 0 and step < total_steps:
+            ppl = _heldout_ppl(self.booster.unwrap(self.model), self.heldout, self.cfg, self.device)
+            self.metrics.write({"step": step, "event": "eval", "val_loss": math.log(ppl), "val_ppl": ppl})
+        if step % self.cfg.save_every == 0 or step == total_steps:
+            path = self.out / "checkpoints" / f"step_{step:08d}"
+            self.booster.save_state(
+                path,
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                self.loader,
+                step=step,
+                extra={"config": _jsonable(asdict(self.cfg))},
+            )
+            if _rank() == 0:
+                prune_checkpoints(self.out / "checkpoints", self.cfg.keep_checkpoints)
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(d, default=str))
+
+
+def remove_run(output: str | Path) -> None:
+    """Delete a run directory (used by `--overwrite`)."""
+    shutil.rmtree(output, ignore_errors=True)

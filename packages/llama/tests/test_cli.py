@@ -1,0 +1,123 @@
+"""The command line, end to end on tiny models and tokenizers built in the tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megalith_llama.cli import COMMAND_MODULES, build_parser, main
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_every_command_has_help(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    names = ["prepare", "expand-vocab", "eval", "chat", "convert"]
+    assert len(COMMAND_MODULES) == len(names)
+    for name in names:
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args([name, "--help"])
+        assert exc.value.code == 0
+        assert "--data-dir" in capsys.readouterr().out
+
+
+def test_prepare_then_eval(
+    capsys, bpe_tokenizer_dir: Path, bpe_tokenizer, tmp_path: Path, make_sentences
+) -> None:
+    from megalith_llama.model import load_model
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": s}) + "\n" for s in make_sentences(60)))
+    code, out, _ = _run(
+        capsys, "prepare", "--input", str(src), "--tokenizer", str(bpe_tokenizer_dir), "--output",
+        str(tmp_path / "data"), "--seq-len", "32", "--document-masking",
+    )  # fmt: skip
+    assert code == 0 and json.loads(out)["num_sequences"] > 0
+    model_dir = tmp_path / "model"
+    tiny = load_model("tiny-32", tokenizer=bpe_tokenizer)
+    tiny.model.save_pretrained(model_dir)
+    bpe_tokenizer.save_pretrained(model_dir)
+    code, out, _ = _run(
+        capsys, "eval", "--model", str(model_dir), "--data", str(tmp_path / "data"), "--device", "cpu"
+    )
+    result = json.loads(out)
+    assert code == 0 and result["tokens"] > 0
+    assert abs(result["loss"] - torch.log(torch.tensor(400.0)).item()) < 1.0  # untrained: close to log(vocab)
+
+
+def test_prepare_reports_bad_line(capsys, bpe_tokenizer_dir: Path, tmp_path: Path) -> None:
+    src = tmp_path / "bad.jsonl"
+    src.write_text('{"text": "fine"}\nnot json\n')
+    args = [
+        "prepare",
+        "--input",
+        str(src),
+        "--tokenizer",
+        str(bpe_tokenizer_dir),
+        "--output",
+        str(tmp_path / "o"),
+    ]
+    code, _, err = _run(capsys, *args, "--seq-len", "8")
+    assert code == 2 and f"{src}:2:" in err
+    code, out, _ = _run(capsys, *args, "--seq-len", "8", "--skip-bad-lines")
+    assert code == 0 and "skipped 1 malformed line(s)" in out
+
+
+def test_expand_vocab_bpe_directory(capsys, bpe_tokenizer, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megalith_llama.model import load_model
+
+    src = tmp_path / "src"
+    load_model("tiny-32", tokenizer=bpe_tokenizer).model.save_pretrained(src)
+    bpe_tokenizer.save_pretrained(src)
+    (tmp_path / "new.txt").write_text("\u2581zeppelin\n\u2581model\n", encoding="utf-8")
+    (tmp_path / "text.txt").write_text("a zeppelin and a model " * 20)
+    code, out, _ = _run(
+        capsys, "expand-vocab", "--tokenizer", str(src), "--new-tokens", str(tmp_path / "new.txt"),
+        "--output", str(tmp_path / "out"), "--text", str(tmp_path / "text.txt"),
+    )  # fmt: skip
+    report = json.loads(out)
+    assert code == 0 and report["model_resized"] and report["existing"] == ["\u2581model"]
+    assert report["chars_per_token_after"] > report["chars_per_token_before"]
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    assert len(tok) == report["vocab_after"] == model.get_input_embeddings().num_embeddings
+    new_id = tok.convert_tokens_to_ids("\u0120zeppelin")
+    assert new_id >= 400 and tok.encode(" zeppelin", add_special_tokens=False) == [new_id]
+    assert tok.decode(tok.encode("a zeppelin flies")) == "a zeppelin flies"
+
+
+def test_expand_vocab_sentencepiece_file(capsys, make_sentences, tmp_path: Path) -> None:
+    import io
+
+    import sentencepiece as spm
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(make_sentences(300)), model_writer=buf, vocab_size=60, hard_vocab_limit=False,
+        minloglevel=2,
+    )  # fmt: skip
+    (tmp_path / "sp.model").write_bytes(buf.getvalue())
+    (tmp_path / "new.txt").write_text("\u2581zeppelin\n", encoding="utf-8")
+    code, out, _ = _run(
+        capsys, "expand-vocab", "--tokenizer", str(tmp_path / "sp.model"), "--new-tokens", str(tmp_path / "new.txt"),
+        "--output", str(tmp_path / "out"), "--text", str(tmp_path / "new.txt"), "--tokenizer-only",
+    )  # fmt: skip
+    assert code == 0 and json.loads(out)["kind"] == "sentencepiece"
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "out" / "sp.model"))
+    assert sp.encode("zeppelin", out_type=str) == ["\u2581zeppelin"]
+
+
+def test_missing_model_is_a_clean_error(capsys, tmp_path: Path) -> None:
+    code, _, err = _run(
+        capsys, "eval", "--model", str(tmp_path / "absent"), "--tokenizer", str(tmp_path / "absent")
+    )
+    assert code == 2 and f"does not exist: {tmp_path / 'absent'}" in err

@@ -1,0 +1,156 @@
+"""`llama-pretrain train` end to end on 2 ranks: HF-loadable output, and exact resume after SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _tokenizer_dir(root: Path) -> Path:
+    """A small byte-level BPE trained on Python's own docs (built here, nothing downloaded)."""
+    import pydoc_data.topics
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=["<|endoftext|>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(pydoc_data.topics.topics.values())[:200], trainer=trainer)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>", pad_token="<pad>"
+    )
+    out = root / "tokenizer"
+    hf.save_pretrained(str(out))
+    return out
+
+
+def _cmd(tmp: Path, output: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "megalith_llama.cli",
+        "train",
+        "--model",
+        "tiny-32",
+        "--tokenizer",
+        str(tmp / "tokenizer"),
+        "--data-dir",
+        str(tmp / "data"),
+        "--output",
+        str(output),
+        "--nproc-per-node",
+        "2",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "2",
+        "--max-steps",
+        "40",
+        "--save-every",
+        "5",
+        "--lr",
+        "3e-3",
+        "--eval-batches",
+        "2",
+        "--device",
+        "cpu",
+        *extra,
+    ]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def _losses(output: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_train_two_ranks_exports_hf_and_resumes_exactly(tmp_path):
+    _tokenizer_dir(tmp_path)
+    straight = tmp_path / "straight"
+    done = subprocess.run(_cmd(tmp_path, straight), env=_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "held-out perplexity:" in done.stdout and "final model:" in done.stdout
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(straight / "final")
+    assert model.config.num_hidden_layers == 2
+    assert (straight / "loss.png").stat().st_size > 0
+    reference = _losses(straight)
+    assert sorted(reference) == list(range(1, 41))
+
+    # Same run, killed with SIGKILL once step 7 is logged (a checkpoint exists at step 5) ...
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        _cmd(tmp_path, killed),
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (killed / "metrics.jsonl").exists() and 7 in _losses(killed):
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert 40 not in _losses(killed), "the run finished before it could be killed"
+
+    # ... and restarted with --resume auto: the same per-step losses, bitwise.
+    resumed = subprocess.run(
+        _cmd(tmp_path, killed, "--resume", "auto"), env=_env(), capture_output=True, text=True, timeout=600
+    )
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert _losses(killed) == reference
+
+
+def test_unknown_plugin_lists_the_choices(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megalith_llama.cli",
+            "train",
+            "--plugin",
+            "zero9",
+            "--nproc-per-node",
+            "1",
+            "--model",
+            "tiny-32",
+            "--tokenizer",
+            str(_tokenizer_dir(tmp_path)),
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--output",
+            str(tmp_path / "o"),
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2
+    assert "unknown plugin 'zero9'; choose one of ddp, " in out.stderr and "zero2" in out.stderr
