@@ -100,7 +100,7 @@ def test_plan_rejects_bad_configuration():
         plan(tiny_llama(), DDPPlugin(), world_size=0)
     with pytest.raises(ConfigError, match="precision must be one of .* got 'fp8'"):
         plan(tiny_llama(), DDPPlugin(), world_size=2, precision="fp8")
-    with pytest.raises(ConfigError, match=r"ZeRO stage must be one of \(1, 2\), got 4"):
+    with pytest.raises(ConfigError, match=r"ZeRO stage must be one of \(1, 2, 3\), got 4"):
         ZeroPlugin(stage=4)
 
 

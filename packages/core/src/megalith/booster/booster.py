@@ -23,15 +23,19 @@ from megalith.booster.plugins.base import Plugin
 from megalith.booster.plugins.ddp import DDPPlugin
 from megalith.booster.precision import Precision
 from megalith.checkpoint import (
+    ModelReader,
     commit,
     fresh_staging,
+    is_sharded_model,
     read_json,
     read_model_into,
     read_rng,
     resolve,
     restore_rng,
+    write_hf_streamed,
     write_json,
     write_model,
+    write_model_pieces,
     write_rng,
 )
 from megalith.common.errors import CheckpointError, ConfigError
@@ -41,6 +45,7 @@ from megalith.optim import BoostedOptimizer
 logger = logging.getLogger(__name__)
 
 STATE_FORMAT = 1
+SHARDED_MODEL = "model_sharded"  # save_state's model part under a sharded plugin (ZeRO-3, FSDP)
 
 
 def _rank() -> int:
@@ -121,6 +126,9 @@ class Booster:
     ) -> Path:
         """HF-loadable safetensors directory (plus config.json for HF models), written atomically."""
         path = Path(path)
+        if self.plugin.sharded_params:  # every rank gathers one piece at a time; rank 0 writes
+            _save_sharded_export(self.plugin, model, path, max_shard_size_mb * 2**20 if shard else 2**62)
+            return path
         if _rank() == 0:
             staging = fresh_staging(path)
             write_model(self.unwrap(model), staging, max_shard_size_mb * 2**20, shard)
@@ -135,8 +143,15 @@ class Booster:
         optimizer: BoostedOptimizer | None = None,
         strict: bool = True,
     ) -> None:
-        """Load weights into a boosted model; pass the optimizer so its fp32 masters follow."""
-        read_model_into(self.unwrap(model), resolve(path), strict=strict)
+        """Load weights into a boosted model; pass the optimizer so its fp32 masters follow.
+
+        Reads an HF directory or a sharded model checkpoint (`save_state` of a sharded plugin);
+        sharded plugins read only the ranges this rank holds."""
+        root = resolve(path)
+        if self.plugin.sharded_params or is_sharded_model(root):
+            self.plugin.load_model_pieces(model, optimizer, ModelReader(root))
+            return
+        read_model_into(self.unwrap(model), root, strict=strict)
         if optimizer is not None:
             optimizer.load_masters_from_model()
 
@@ -174,8 +189,16 @@ class Booster:
             staging = fresh_staging(path)
         barrier()
         staging = _staging(path)
+        if self.plugin.sharded_params:  # every rank writes the pieces it holds
+            write_model_pieces(
+                staging / SHARDED_MODEL, _rank(), _world(), self.plugin.model_pieces(model), _shapes(model)
+            )
         if _rank() == 0:
-            write_model(self.unwrap(model), staging / "model")
+            if not self.plugin.sharded_params:
+                write_model(self.unwrap(model), staging / "model")
+            _save_config(
+                self.unwrap(model), staging / (SHARDED_MODEL if self.plugin.sharded_params else "model")
+            )
             trainer = {
                 "format": STATE_FORMAT,
                 "step": step,
@@ -213,7 +236,7 @@ class Booster:
         meta = read_json(root / "state.json")
         if meta.get("format") != STATE_FORMAT:
             raise CheckpointError(f"{root} has state format {meta.get('format')}, expected {STATE_FORMAT}")
-        self.load_model(model, root / "model")
+        self.load_model(model, root / SHARDED_MODEL if (root / SHARDED_MODEL).exists() else root / "model")
         load_optimizer_state(optimizer, root / "optimizer")
         trainer = torch.load(root / "trainer.pt", weights_only=False)
         if lr_scheduler is not None and trainer["lr_scheduler"] is not None:
@@ -241,3 +264,24 @@ def _staging(path: Path) -> Path:
     from megalith.checkpoint import staging_path
 
     return staging_path(path)
+
+
+def _save_config(model: nn.Module, directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "save_pretrained"):
+        config.save_pretrained(str(directory))
+
+
+def _shapes(model: nn.Module) -> dict[str, tuple[list[int], str]]:
+    return {n: (list(t.shape), str(t.dtype)) for n, t in model.state_dict(keep_vars=True).items()}
+
+
+def _save_sharded_export(plugin: Plugin, model: nn.Module, path: Path, max_shard_bytes: int) -> None:
+    """HF export under a sharded plugin: every rank drives the (collective) export, rank 0 writes."""
+    staging = fresh_staging(path) if _rank() == 0 else None
+    write_hf_streamed(plugin.export_state(model), staging, max_shard_bytes)
+    if staging is not None:
+        _save_config(plugin.unwrap(model), staging)
+        commit(path)
+    barrier()

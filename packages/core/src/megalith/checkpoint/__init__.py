@@ -23,3 +23,13 @@ __all__ = [
     "write_pieces",
     "write_rng",
 ]
+
+from megalith.checkpoint.sharded import (
+    ModelReader,
+    export_hf,
+    is_sharded_model,
+    write_hf_streamed,
+    write_model_pieces,
+)
+
+__all__ += ["ModelReader", "export_hf", "is_sharded_model", "write_hf_streamed", "write_model_pieces"]

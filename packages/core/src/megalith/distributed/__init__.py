@@ -3,6 +3,7 @@
 from megalith.distributed.collectives import (
     Handle,
     all_gather_flat,
+    all_reduce_flat,
     all_reduce_scalar,
     barrier,
     broadcast_object,
@@ -10,6 +11,7 @@ from megalith.distributed.collectives import (
     reduce_scatter_flat,
     world_size,
 )
+from megalith.distributed.comm_counter import CommCounter, count_comm
 from megalith.distributed.dims import AXES, ParallelDims
 from megalith.distributed.launch import LaunchInfo, launch, relaunch, shutdown, under_launcher
 from megalith.distributed.mesh import axis_group, build_mesh
@@ -35,4 +37,7 @@ __all__ = [
     "shutdown",
     "under_launcher",
     "world_size",
+    "all_reduce_flat",
+    "CommCounter",
+    "count_comm",
 ]

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megalith.common.errors import DistributedError
+from megalith.distributed.comm_counter import report
 
 
 def world_size(group: dist.ProcessGroup | None = None) -> int:
@@ -82,6 +83,7 @@ def reduce_scatter_flat(
     Elsewhere it is `reduce_scatter_tensor`.
     """
     n = dist.get_world_size(group)
+    report("reduce_scatter", flat, n)
     if dist.get_backend(group) != "gloo":
         work = dist.reduce_scatter_tensor(out, flat, group=group, async_op=async_op)
         handle = Handle([work] if async_op else [])
@@ -104,6 +106,7 @@ def all_gather_flat(
     elsewhere `all_gather_into_tensor` (from a copy of the own chunk, so input and output never alias).
     """
     n = dist.get_world_size(group)
+    report("all_gather", flat, n)
     chunks = flat.chunk(n)
     if dist.get_backend(group) != "gloo":
         me = dist.get_rank(group)
@@ -117,3 +120,12 @@ def all_gather_flat(
     if not async_op:
         handle.wait()
     return handle
+
+
+def all_reduce_flat(
+    flat: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> Handle:
+    """`flat` ← Σ over ranks of `flat` (reported to the communication counters)."""
+    report("all_reduce", flat, dist.get_world_size(group))
+    work = dist.all_reduce(flat, group=group, async_op=async_op)
+    return Handle([work] if async_op else [])

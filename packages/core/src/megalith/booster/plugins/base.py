@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalith.booster.precision import Precision
+from megalith.common.errors import CheckpointError
 from megalith.optim import BoostedOptimizer
 
 
@@ -61,6 +62,9 @@ class Plugin(ABC):
     """configure (wrap model / optimizer) → no_sync → unwrap; plus the per-rank memory formula."""
 
     name = "plugin"
+    # True when parameters are sharded over dp (ZeRO-3, FSDP): checkpoints then go through
+    # `export_state` / the sharded (DCP) model format instead of rank 0's `model.state_dict()`.
+    sharded_params = False
 
     @abstractmethod
     def configure(
@@ -95,6 +99,44 @@ class Plugin(ABC):
 
     def describe(self) -> dict[str, Any]:
         return {"plugin": self.name}
+
+    # -- model state for checkpoints (sharded plugins override all three) ---------------------------
+    def export_state(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) per state-dict entry, tied tensors once. A collective for sharded
+        plugins: every rank must iterate it to the end."""
+        yield from unique_state(self.unwrap(model)).items()
+
+    def model_pieces(self, model: nn.Module) -> list[tuple[str, int, int, torch.Tensor]]:
+        """This rank's (name, start, end, flat values) of the model state for a sharded save.
+        Replicated plugins: rank 0 holds (and writes) everything."""
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return []
+        return [
+            (n, 0, t.numel(), t.detach().reshape(-1)) for n, t in unique_state(self.unwrap(model)).items()
+        ]
+
+    def load_model_pieces(self, model: nn.Module, optimizer: BoostedOptimizer | None, reader: Any) -> None:
+        """Fill the model from `reader.read(name, start, end)` (any checkpoint layout)."""
+        state = unique_state(self.unwrap(model))
+        missing = sorted(set(state) - reader.names())
+        if missing:
+            raise CheckpointError(f"checkpoint {reader.directory} has no tensor {missing[0]!r}")
+        with torch.no_grad():
+            for name, t in state.items():
+                t.copy_(reader.read(name, 0, t.numel()).view(t.shape))
+        if optimizer is not None:
+            optimizer.load_masters_from_model()
+
+
+def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model.state_dict(keep_vars=True)` without the later names of tied tensors."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out[name] = t
+    return out
 
 
 def fp32_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:

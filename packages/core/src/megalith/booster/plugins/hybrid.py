@@ -1,0 +1,268 @@
+"""`HybridPlugin`: tensor (+ sequence) parallelism inside each tp group, data parallelism (all-reduce
+or ZeRO-1/2) across the dp axis of a 2-D mesh `build_mesh(ParallelDims(world, tp=tp_size))`.
+
+    ranks  = dp × tp (tp innermost: the ranks of one tp group are neighbours)
+    model  = the user's module, sharded in place by a policy (megalith.policies) over the tp group
+    grads  = sequence-partial ones summed over tp, then averaged over dp (all-reduce, or ZeRO's
+             reduce-scatter of flat buckets of the *local* shards)
+    ‖g‖    = sqrt(Σ over all ranks of Σ g²), where a tp-sharded gradient counts on every tp rank (each
+             holds a different block) and a replicated one (norm weights) on tp rank 0 only
+
+Checkpoints are the ordinary formats, so tp2×dp2 → tp1×dp4 → DDP → one process needs no conversion,
+and back. Model: `booster.save_model` / `load_model` go through this plugin's `export_state` /
+`load_model_pieces` (tp blocks gathered to full tensors; full tensors sliced into blocks).
+Optimizer: `plugin.save_optimizer` / `load_optimizer` (every rank) write / read pieces of *full*
+parameters; the booster's generic optimizer path refuses a tp > 1 optimizer with a CheckpointError
+(it would store blocks as if they were ranges of the full parameters).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalith.booster.optim_state import _meta
+from megalith.booster.plugins.base import Boosted, MemoryPlan, Plugin, fp32_snapshot
+from megalith.booster.plugins.hybrid_optim import TPReplicatedOptimizer, TPZeroOptimizer, load_pieces
+from megalith.booster.plugins.registry import register_plugin
+from megalith.booster.precision import Precision
+from megalith.checkpoint import (
+    commit,
+    fresh_staging,
+    resolve,
+    staging_path,
+    write_meta,
+    write_pieces,
+)
+from megalith.common.errors import ConfigError
+from megalith.distributed import ParallelDims, axis_group, barrier, build_mesh, rank, world_size
+from megalith.optim import BoostedOptimizer
+from megalith.policies import Policy, policy_for
+from megalith.tensor_parallel import (
+    SEQUENCE_MODES,
+    ShardedPieceReader,
+    TensorParallelInfo,
+    TensorParallelPlan,
+    apply_tensor_parallel,
+    full_model_pieces,
+    full_state_dict,
+    gather_optimizer_pieces,
+    load_full_pieces,
+    validate_plan,
+)
+from megalith.zero import ZeroConfig, ZeroOptimizer, named_parameter_map
+
+logger = logging.getLogger(__name__)
+Group = dist.ProcessGroup | None
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """tp_size: ranks per tensor-parallel group (the rest of the world is dp).
+    sp_mode: "none" | "split_gather" (Megatron-SP on the tp group) | "all_to_all" (Ulysses on the tp
+        group: weights replicated there, sequence sharded, heads exchanged around attention).
+    zero_stage: 0 = gradients all-reduced over dp (DDP-style), 1/2 = ZeRO over dp.
+    policy: a `Policy` or `TensorParallelPlan`; None picks the registered policy by model class."""
+
+    tp_size: int = 1
+    sp_mode: str = "none"
+    zero_stage: int = 0
+    bucket_size_mb: float = 25.0
+    policy: Policy | TensorParallelPlan | None = None
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ConfigError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.sp_mode not in SEQUENCE_MODES:
+            raise ConfigError(f"sp_mode must be one of {SEQUENCE_MODES}, got {self.sp_mode!r}")
+        if self.zero_stage not in (0, 1, 2):
+            raise ConfigError(f"zero_stage must be 0, 1 or 2, got {self.zero_stage!r}")
+
+
+class HybridPlugin(Plugin):
+    """TP/SP over the tp axis composed with DDP-style all-reduce or ZeRO-1/2 over the dp axis.
+
+    `HybridPlugin(tp_size=2, sp_mode="split_gather", zero_stage=2)` or `HybridPlugin(config=...)`.
+    """
+
+    name = "hybrid"
+
+    def __init__(
+        self,
+        tp_size: int = 1,
+        sp_mode: str = "none",
+        zero_stage: int = 0,
+        config: HybridConfig | None = None,
+        **kwargs: object,
+    ) -> None:
+        options = {"tp_size": tp_size, "sp_mode": sp_mode, "zero_stage": zero_stage, **kwargs}
+        self.config = config or HybridConfig(**options)  # type: ignore[arg-type]
+        self.name = f"hybrid_tp{self.config.tp_size}_{self.config.sp_mode}_zero{self.config.zero_stage}"
+        self.tp_group: Group = None
+        self._dp_group: Group = None
+        self._mesh_built = False
+        self.info: TensorParallelInfo | None = None
+        self._params: dict[str, nn.Parameter] = {}
+
+    def plan_for(self, model: nn.Module) -> TensorParallelPlan:
+        policy = self.config.policy
+        if isinstance(policy, TensorParallelPlan):
+            return policy
+        return (policy or policy_for(model)).plan_for(model)
+
+    # -- setup ------------------------------------------------------------------------------------
+    def configure(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, precision: Precision
+    ) -> Boosted:
+        dims = ParallelDims(world_size(), tp=self.config.tp_size)
+        plan = self.plan_for(model)
+        validate_plan(model, plan, dims.tp, self.config.sp_mode)  # before any weight moves
+        if optimizer is not None and len(optimizer.state):
+            raise ConfigError("HybridPlugin needs a fresh optimizer (its state is re-created for the shards)")
+        old_names = named_parameter_map(model)
+        self._build_groups()
+        if dist.is_initialized() and dims.world_size > 1:
+            _broadcast_from_rank0(model)  # every tp rank shards the same full weights
+        self.info = apply_tensor_parallel(model, plan, self.tp_group, self.config.sp_mode)
+        if optimizer is None:
+            return Boosted(model, None)
+        names = named_parameter_map(model)
+        _repoint(optimizer, old_names, {n: p for p, n in names.items()})
+        self._params = {names[p]: p for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+        fp32 = fp32_snapshot(model) if precision.mixed else {}
+        model.to(precision.dtype)
+        wrapped = self._wrap(optimizer, names, precision)
+        if precision.mixed:
+            with wrapped.local_loads():  # the snapshot holds this rank's blocks
+                wrapped.load_master_values(lambda name, s, e: fp32[name].view(-1)[s:e])
+        logger.info(
+            "hybrid: tp=%d dp=%d sp=%s zero=%d", dims.tp, dims.dp, self.config.sp_mode, self.config.zero_stage
+        )
+        return Boosted(model, wrapped)
+
+    def _wrap(
+        self, optimizer: torch.optim.Optimizer, names: dict[nn.Parameter, str], precision: Precision
+    ) -> TPReplicatedOptimizer | TPZeroOptimizer:
+        assert self.info is not None
+        if self.config.zero_stage == 0:
+            return TPReplicatedOptimizer(optimizer, names, self.info, self._dp_group, precision.make_scaler())
+        # Sequence-partial gradients are summed over tp before the dp reduction: no overlap hooks.
+        config = ZeroConfig(self.config.zero_stage, self.config.bucket_size_mb, overlap_communication=False)
+        return TPZeroOptimizer(optimizer, names, config, self.info, self._dp_group, precision.make_scaler())
+
+    def _build_groups(self) -> None:
+        """The tp and dp groups of the 2-D mesh (a collective, once; before `boost` too, e.g. when
+        `prepare_dataloader` asks for the dp size)."""
+        if self._mesh_built or not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        mesh = build_mesh(ParallelDims(dist.get_world_size(), tp=self.config.tp_size))
+        self.tp_group, self._dp_group = axis_group(mesh, "tp"), axis_group(mesh, "dp")
+        self._mesh_built = True
+
+    @property
+    def dp_group(self) -> Group:
+        self._build_groups()
+        return self._dp_group
+
+    def memory_plan(
+        self, num_params: int, num_trainable: int, world_size: int, precision: Precision
+    ) -> MemoryPlan:
+        """Approximation: every parameter sharded over tp (replicated norms are a rounding error),
+        then the ZeRO / DDP formulas over dp = world / tp."""
+        tp = self.config.tp_size
+        dims = ParallelDims(world_size, tp=tp)
+        b, phi, psi = precision.param_bytes, num_params // tp, num_trainable // tp
+        master = 4 if precision.mixed else 0
+        stage = self.config.zero_stage
+        states = (8 + master) * psi // (dims.dp if stage else 1)
+        grads = b * psi // (dims.dp if stage == 2 else 1)
+        return MemoryPlan(
+            self.name, precision.name, world_size, num_params, num_trainable, b * phi, grads, states
+        )
+
+    # -- checkpoints (collective: every rank calls them) ------------------------------------------
+    sharded_params = True  # tp shards: a checkpoint needs the full tensors of `export_state`
+
+    def export_state(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) per state-dict entry, tied parameters once (collective over tp)."""
+        seen: set[int] = set()
+        for name, t in full_state_dict(model, self.tp_group).items():
+            if id(t) not in seen:
+                seen.add(id(t))
+                yield name, t
+
+    def model_pieces(self, model: nn.Module) -> list[tuple[str, int, int, torch.Tensor]]:
+        """Full-tensor pieces for `booster.save_state` (each tensor written by one rank)."""
+        return full_model_pieces(model, self.tp_group, rank(), world_size())
+
+    def load_model_pieces(self, model: nn.Module, optimizer: BoostedOptimizer | None, reader: Any) -> None:
+        """`booster.load_model`: every rank slices its tp blocks out of the full tensors."""
+        load_full_pieces(model, reader)
+        if optimizer is not None:
+            optimizer.load_masters_from_model()
+
+    def save_optimizer_state(self, optimizer: BoostedOptimizer, directory: Path) -> None:
+        """Write optimizer pieces of *full* parameters (one writer per parameter) plus meta.json
+        into `directory` (collective; the booster's generic writer would store tp blocks)."""
+        pieces = gather_optimizer_pieces(
+            optimizer,
+            self._params,
+            self.tp_group,
+            self._dp_group,
+            isinstance(optimizer, ZeroOptimizer),
+            rank(),
+            world_size(),
+        )
+        write_pieces(directory, rank(), pieces)
+        if rank() == 0:
+            write_meta(directory, _meta(optimizer))
+
+    def load_optimizer_state(self, optimizer: BoostedOptimizer, directory: Path) -> None:
+        """Read a piece checkpoint of any layout (any tp × dp, DDP, ZeRO, one process)."""
+        load_pieces(optimizer, ShardedPieceReader(directory, self._params))
+
+    def save_optimizer(self, optimizer: BoostedOptimizer, path: str | Path) -> Path:
+        """Atomic `save_optimizer_state` into `path` (every rank calls it)."""
+        path = Path(path)
+        if rank() == 0:
+            fresh_staging(path)
+        barrier()
+        self.save_optimizer_state(optimizer, staging_path(path))
+        barrier()
+        if rank() == 0:
+            commit(path)
+        barrier()
+        return path
+
+    def load_optimizer(self, optimizer: BoostedOptimizer, path: str | Path) -> None:
+        self.load_optimizer_state(optimizer, resolve(path))
+
+
+def _repoint(
+    optimizer: torch.optim.Optimizer, old_names: dict[nn.Parameter, str], new: dict[str, nn.Parameter]
+) -> None:
+    """Point the optimizer's param groups at the parameters that replaced the originals, by name."""
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            name = old_names.get(p)
+            if name is None or name not in new:
+                raise ConfigError("the optimizer holds a parameter that is not in the model")
+            params.append(new[name])
+        group["params"] = params
+
+
+def _broadcast_from_rank0(model: nn.Module) -> None:
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(t.data, src=0)
+
+
+register_plugin("hybrid", HybridPlugin)  # `make_plugin("hybrid", tp_size=2, sp_mode=..., zero_stage=...)`

@@ -1,0 +1,175 @@
+"""Optimizer wrappers of `HybridPlugin`: gradients summed over tp where partial, reduced over dp
+(all-reduce or ZeRO), the global norm over the 2-D mesh, and piece-checkpoint loading in tp-block
+coordinates."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalith.booster.optim_state import MASTER, _load_master_state
+from megalith.checkpoint import PieceReader
+from megalith.common.errors import CheckpointError
+from megalith.optim import BoostedOptimizer, DynamicLossScaler, ReplicatedOptimizer, clip_grads_
+from megalith.tensor_parallel import TensorParallelInfo
+from megalith.zero import ZeroConfig, ZeroOptimizer
+
+Group = dist.ProcessGroup | None
+
+
+def _sum_over(grads: list[torch.Tensor], group: Group, scale: float = 1.0) -> None:
+    """In-place Σ over `group` (times `scale`) of several gradients, as one flat all-reduce."""
+    if not grads or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    if scale != 1.0:
+        flat.mul_(scale)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def tp_grad_norm(opt: BoostedOptimizer, info: TensorParallelInfo, group: Group) -> float:
+    """‖g‖₂ over every rank: tp-sharded pieces everywhere, replicated pieces on tp rank 0 only."""
+    tp_rank = dist.get_rank(info.group) if dist.is_initialized() else 0
+    local = torch.zeros((), dtype=torch.float64)
+    for master, refs in opt.owned():
+        if master.grad is None:
+            continue
+        flat = master.grad.detach().reshape(-1)
+        for ref in refs:
+            if ref.name in info.sharded or tp_rank == 0:
+                local += flat[ref.offset : ref.offset + ref.end - ref.start].double().pow(2).sum().cpu()
+    if dist.is_initialized():
+        dist.all_reduce(local, group=group)
+    return math.sqrt(float(local))
+
+
+class _LocalPieces:
+    """Guard for the booster's generic optimizer checkpoint path, which needs `owned()` ranges of
+    the full flattened parameters: at tp > 1 ours are ranges of the local blocks, so that path raises
+    instead of writing or reading wrong state (`HybridPlugin.save_optimizer` / `load_optimizer`)."""
+
+    info: TensorParallelInfo
+    _local_loads = False
+
+    def _check_generic_path(self) -> None:
+        if self.info.size > 1 and not self._local_loads:
+            raise CheckpointError(
+                "a tensor-parallel optimizer holds blocks of the parameters, not ranges of them: use "
+                "HybridPlugin.save_optimizer / load_optimizer (every rank) instead of the generic path"
+            )
+
+    @contextmanager
+    def local_loads(self) -> Iterator[None]:
+        """Allow `load_master_values` with readers in local (tp-block) coordinates."""
+        self._local_loads = True
+        try:
+            yield
+        finally:
+            self._local_loads = False
+
+
+class TPReplicatedOptimizer(_LocalPieces, ReplicatedOptimizer):
+    """Every dp rank holds the whole (tp-local) optimizer; gradients are averaged over dp."""
+
+    def __init__(
+        self,
+        optim: torch.optim.Optimizer,
+        names: dict[nn.Parameter, str],
+        info: TensorParallelInfo,
+        dp_group: Group,
+        scaler: DynamicLossScaler | None = None,
+    ) -> None:
+        super().__init__(optim, names, scaler)
+        self.info, self.dp_group = info, dp_group
+        self._partial = [p for p, n in zip(self.model_params, self.names, strict=True) if n in info.partial]
+
+    @property
+    def replicated(self) -> bool:  # type: ignore[override]
+        self._check_generic_path()
+        return True
+
+    def load_master_values(self, read: Callable[[str, int, int], torch.Tensor]) -> None:
+        self._check_generic_path()
+        super().load_master_values(read)
+
+    def _finish_backward(self) -> None:
+        _sum_over([p.grad for p in self._partial if p.grad is not None], self.info.group)
+        dp = dist.get_world_size(self.dp_group) if dist.is_initialized() else 1
+        _sum_over([p.grad for p in self.model_params if p.grad is not None], self.dp_group, 1.0 / dp)
+
+    def clip_grad_by_norm(self, max_norm: float) -> float:
+        grads = self._prepare()
+        total = tp_grad_norm(self, self.info, self.info.group)  # dp ranks hold identical gradients
+        self.last_grad_norm = total
+        clip_grads_(grads, max_norm, total)
+        return total
+
+
+class TPZeroOptimizer(_LocalPieces, ZeroOptimizer):
+    """ZeRO-1/2 over the dp group on the tp-local parameters."""
+
+    def __init__(
+        self,
+        optim: torch.optim.Optimizer,
+        names: dict[nn.Parameter, str],
+        config: ZeroConfig,
+        info: TensorParallelInfo,
+        dp_group: Group,
+        scaler: DynamicLossScaler | None = None,
+    ) -> None:
+        self.info = info
+        self._partial = [p for g in optim.param_groups for p in g["params"] if names.get(p) in info.partial]
+        super().__init__(optim, names, config, dp_group, scaler)
+
+    @property
+    def replicated(self) -> bool:  # type: ignore[override]
+        self._check_generic_path()
+        return False
+
+    def load_master_values(self, read: Callable[[str, int, int], torch.Tensor]) -> None:
+        self._check_generic_path()
+        super().load_master_values(read)
+
+    def _finish_backward(self) -> None:
+        _sum_over([p.grad for p in self._partial if p.grad is not None], self.info.group)
+        super()._finish_backward()
+
+    def clip_grad_by_norm(self, max_norm: float) -> float:
+        grads = self._prepare()
+        total = tp_grad_norm(self, self.info, None)  # shards over dp, blocks over tp: the whole world
+        self.last_grad_norm = total
+        clip_grads_(grads, max_norm, total)
+        return total
+
+
+def load_pieces(opt: BoostedOptimizer, reader: PieceReader) -> None:
+    meta = reader.meta
+    if meta.get("optimizer") != type(opt.optim).__name__:
+        raise CheckpointError(
+            f"optimizer checkpoint was written by {meta.get('optimizer')}, not {type(opt.optim).__name__}"
+        )
+    if len(meta["groups"]) != len(opt.param_groups):
+        raise CheckpointError(
+            f"optimizer checkpoint has {len(meta['groups'])} param groups, the optimizer has {len(opt.param_groups)}"
+        )
+    owned = {id(m): refs for m, refs in opt.owned()}
+    for group, saved in zip(opt.param_groups, meta["groups"], strict=True):
+        group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved["hyper"].items()})
+        for master in group["params"]:
+            _load_master_state(opt, master, owned[id(master)], saved, reader)
+    if isinstance(opt, _LocalPieces):
+        with opt.local_loads():
+            opt.load_master_values(lambda name, s, e: reader.read(name, MASTER, s, e))
+    else:
+        opt.load_master_values(lambda name, s, e: reader.read(name, MASTER, s, e))
+    if opt.scaler is not None and "scaler" in meta:
+        opt.scaler.load_state_dict(meta["scaler"])
