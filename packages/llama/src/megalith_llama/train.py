@@ -134,7 +134,8 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     ppl_before = _heldout_ppl(booster.unwrap(model), heldout, cfg, info.device.torch)
     if step == 0:
         metrics.write({"step": 0, "event": "eval", "val_loss": math.log(ppl_before), "val_ppl": ppl_before})
-    loop = _Loop(cfg, booster, model, optimizer, scheduler, loader, metrics, out, heldout, info.device.torch)
+    parts = _Parts(booster, model, optimizer, scheduler, loader)
+    loop = _Loop(cfg, parts, metrics, out, heldout, info.device.torch)
     loop.train(step, total_steps)
     ppl_after = _heldout_ppl(booster.unwrap(model), heldout, cfg, info.device.torch)
     metrics.write(
@@ -244,27 +245,34 @@ def _export(booster: Any, model: Any, tokenizer: Any, out: Path) -> Path:
     return final
 
 
+@dataclass(frozen=True)
+class _Parts:
+    """What `Booster.boost` returned, plus the booster."""
+
+    booster: Any
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    loader: Any
+
+
 class _Loop:
     """The step loop: micro-batches with `no_sync`, clip, step, schedule, metrics, eval, checkpoints."""
 
     def __init__(
         self,
         cfg: TrainConfig,
-        booster: Any,
-        model: Any,
-        optimizer: Any,
-        scheduler: Any,
-        loader: Any,  # noqa: PLR0913
+        parts: _Parts,
         metrics: MetricsLog,
         out: Path,
         heldout: Any,
         device: torch.device,
     ) -> None:
-        self.cfg, self.booster, self.model, self.optimizer = cfg, booster, model, optimizer
-        self.scheduler, self.loader, self.metrics, self.out = scheduler, loader, metrics, out
+        self.cfg, self.booster, self.model, self.optimizer = cfg, parts.booster, parts.model, parts.optimizer
+        self.scheduler, self.loader, self.metrics, self.out = parts.scheduler, parts.loader, metrics, out
         self.heldout, self.device = heldout, device
-        config = booster.unwrap(model).config
-        self.flops_per_token = flops_per_token(booster.unwrap(model), config, cfg.seq_len)
+        config = self.booster.unwrap(self.model).config
+        self.flops_per_token = flops_per_token(self.booster.unwrap(self.model), config, cfg.seq_len)
         self.peak = peak_flops(device, cfg.precision)
         self._batches: Iterator[Any] = iter(())
 
