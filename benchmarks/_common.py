@@ -19,7 +19,7 @@ def environment() -> dict[str, Any]:
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
+        "cpus": len(os.sched_getaffinity(0)),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,

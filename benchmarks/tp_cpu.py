@@ -41,6 +41,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256, help="hidden size of the Llama model")
     p.add_argument("--layers", type=int, default=4, help="decoder layers of the timed model")
     p.add_argument(
+        "--tp1-threads",
+        type=int,
+        default=1,
+        help="torch threads of the tp=1 run (each tp=2 rank uses 1; more threads than free cores "
+        "make OpenMP spin on a loaded machine)",
+    )
+    p.add_argument(
         "--partial", default="", help="internal: file where a distributed rank 0 writes its results"
     )
     return p.parse_args(argv)
@@ -71,7 +78,7 @@ class Counter:
         self.bytes[op] = self.bytes.get(op, 0.0) + nbytes
 
     def install(self) -> None:
-        import megalith.booster.plugins.hybrid as hybrid
+        import megalith.booster.plugins.hybrid_optim as hybrid_optim
         import megalith.tensor_parallel.comm as comm
         import megalith.tensor_parallel.sequence as sequence
         import megalith.tensor_parallel.vocab as vocab
@@ -97,7 +104,7 @@ class Counter:
         comm.all_gather_dim, comm.reduce_scatter_dim, comm.all_reduce_sum = gather, scatter, reduce
         comm.all_to_all_dims = exchange
         vocab.all_reduce_sum = sequence.all_reduce_sum = reduce
-        hybrid._sum_over = wrap(hybrid._sum_over, "grad_all_reduce", lambda n: 2 * (n - 1) / n)
+        hybrid_optim._sum_over = wrap(hybrid_optim._sum_over, "grad_all_reduce", lambda n: 2 * (n - 1) / n)
 
 
 def formula(mode: str, args: argparse.Namespace, n: int) -> float:
@@ -173,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     import torch
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.tp1_threads)
     tp1 = statistics.median(train(args, args.layers, 1, "none", args.steps + 1)[1:])
     with tempfile.TemporaryDirectory() as tmp:
         partial = Path(tmp) / "tp2.json"

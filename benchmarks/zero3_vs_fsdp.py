@@ -127,7 +127,7 @@ def run_config(config: str, args: argparse.Namespace, psi: int) -> dict:
             "--master-addr=127.0.0.1", f"--master-port={free_loopback_port()}", __file__,
             "--worker", config, "--steps", str(args.steps), "--group-mb", str(args.group_mb), "--out", out,
         ]  # fmt: skip
-        env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // world)))
+        env = dict(os.environ, OMP_NUM_THREADS=str(max(1, len(os.sched_getaffinity(0)) // world)))
         subprocess.run(cmd, check=True, env=env)
         result = json.loads(Path(out).read_text())
     full, sharded = FORMULA[config]
