@@ -172,7 +172,9 @@ def run_config(config: str, steps: int, psi: int, world: int) -> dict:
             out,
         ]
         subprocess.run(
-            cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS=str(max(1, len(os.sched_getaffinity(0)) // world)))
+            cmd,
+            check=True,
+            env=dict(os.environ, OMP_NUM_THREADS=str(max(1, len(os.sched_getaffinity(0)) // world))),
         )
         result = json.loads(Path(out).read_text())
     full, sharded = FORMULA[config]

@@ -162,15 +162,31 @@ class Booster:
         if _rank() == 0:
             fresh_staging(path)
         barrier()
-        save_optimizer_state(optimizer, _staging(path), _rank())
+        self._save_optim(optimizer, _staging(path))
         barrier()
         if _rank() == 0:
             commit(path)
         barrier()
         return path
 
+    def _save_optim(self, optimizer: BoostedOptimizer, directory: Path) -> None:
+        """Plugins whose shards are not ranges of the flattened parameters (tensor parallelism)
+        write their own pieces; everything else uses the generic per-rank piece writer."""
+        custom = getattr(self.plugin, "save_optimizer_state", None)
+        if custom is not None:
+            custom(optimizer, directory)
+        else:
+            save_optimizer_state(optimizer, directory, _rank())
+
+    def _load_optim(self, optimizer: BoostedOptimizer, directory: Path) -> None:
+        custom = getattr(self.plugin, "load_optimizer_state", None)
+        if custom is not None:
+            custom(optimizer, directory)
+        else:
+            load_optimizer_state(optimizer, directory)
+
     def load_optimizer(self, optimizer: BoostedOptimizer, path: str | Path) -> None:
-        load_optimizer_state(optimizer, resolve(path))
+        self._load_optim(optimizer, resolve(path))
 
     # -- full training state ------------------------------------------------------------------------------
     def save_state(
@@ -215,7 +231,7 @@ class Booster:
                 },
                 staging / "trainer.pt",
             )
-        save_optimizer_state(optimizer, staging / "optimizer", _rank())
+        self._save_optim(optimizer, staging / "optimizer")
         write_rng(staging / "rng", _rank())
         barrier()
         if _rank() == 0:
@@ -237,7 +253,7 @@ class Booster:
         if meta.get("format") != STATE_FORMAT:
             raise CheckpointError(f"{root} has state format {meta.get('format')}, expected {STATE_FORMAT}")
         self.load_model(model, root / SHARDED_MODEL if (root / SHARDED_MODEL).exists() else root / "model")
-        load_optimizer_state(optimizer, root / "optimizer")
+        self._load_optim(optimizer, root / "optimizer")
         trainer = torch.load(root / "trainer.pt", weights_only=False)
         if lr_scheduler is not None and trainer["lr_scheduler"] is not None:
             lr_scheduler.load_state_dict(trainer["lr_scheduler"])

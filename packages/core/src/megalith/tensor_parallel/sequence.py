@@ -38,7 +38,8 @@ from megalith.tensor_parallel.comm import (
     reduce_from_tp,
     split_sequence,
 )
-from megalith.tensor_parallel.vocab import IGNORE_INDEX, shift_labels
+from megalith.tensor_parallel.vocab import IGNORE_INDEX
+from megalith.tensor_parallel.vocab import shift_labels as _shift
 
 SequenceMode = Literal["none", "split_gather", "all_to_all"]
 SEQUENCE_MODES: tuple[str, ...] = ("none", "split_gather", "all_to_all")
@@ -146,13 +147,11 @@ def sequence_sharded_lm_loss(group: Group) -> Callable[..., torch.Tensor]:
         vocab_size: int | None = None,
         num_items_in_batch: torch.Tensor | int | None = None,
         ignore_index: int = IGNORE_INDEX,
-        shift_labels_: torch.Tensor | None = None,
+        shift_labels: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        del vocab_size
-        target = kwargs.pop("shift_labels", shift_labels_)
-        if target is None:
-            target = shift_labels(labels, ignore_index)
+        del vocab_size, kwargs
+        target = _shift(labels, ignore_index) if shift_labels is None else shift_labels
         n, local = group_size(group), logits.shape[1]
         target = (
             target.narrow(1, group_rank(group) * local, local) if target.shape[1] == local * n else target
