@@ -29,7 +29,7 @@ FORMULA = {
     "zero2": (4, 12),
     "zero2_no_overlap": (4, 12),
     "torch_zero_redundancy": (8, 8),
-    "fsdp2": (4, 12),
+    "fsdp2": (0, 16),  # fully_shard keeps sharded params (ZeRO-3-like); the unsharded copy is transient
 }
 
 
@@ -82,11 +82,14 @@ def build(config: str):
         model = DDP(model)
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
         return model, opt, lambda loss: loss.backward()
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # CPU even where CUDA exists
     for layer in model.model.layers:
-        fully_shard(layer, reshard_after_forward=False)
-    fully_shard(model, reshard_after_forward=False)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return model, opt, lambda loss: loss.backward()
 
