@@ -19,6 +19,7 @@ from megalith_llama.paths import DATA_DIR_ENV, DEFAULT_DATA_DIR
 
 COMMAND_MODULES: tuple[str, ...] = (
     "megalith_llama.commands.train",
+    "megalith_llama.commands.sft",
     "megalith_llama.commands.prepare",
     "megalith_llama.commands.expand_vocab",
     "megalith_llama.commands.eval",

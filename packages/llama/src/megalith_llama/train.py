@@ -65,6 +65,10 @@ class TrainConfig:
     resume: str | None = None
     eval_every: int = 0
     eval_batches: int = 8
+    sft_data: str | None = None
+    neftune_alpha: float = 0.0
+    tp: int = 1
+    sp_mode: str = "none"
     lora: bool = False
     lora_rank: int = 8
     seed: int = 0
@@ -115,7 +119,7 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     torch.manual_seed(cfg.seed + info.rank)
     out = Path(cfg.output)
     model, tokenizer, train_set, heldout = _load_inputs(cfg, info.device.torch)
-    plugin = make_plugin(cfg.plugin)
+    plugin = _plugin(cfg, make_plugin)
     booster = Booster(plugin=plugin, precision=cfg.precision)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
@@ -156,6 +160,16 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     )
 
 
+def _plugin(cfg: TrainConfig, make_plugin: Any) -> Any:
+    """`--tp N` (N > 1) selects the hybrid plugin: tensor (and sequence) parallel inside, ZeRO over dp."""
+    if cfg.tp == 1 and cfg.sp_mode == "none":
+        return make_plugin(cfg.plugin)
+    stages = {"ddp": 0, "zero1": 1, "zero2": 2, "hybrid": 2}
+    if cfg.plugin not in stages:
+        raise ConfigError(f"--tp/--sp-mode work with --plugin {'|'.join(stages)}, not {cfg.plugin!r}")
+    return make_plugin("hybrid", tp_size=cfg.tp, sp_mode=cfg.sp_mode, zero_stage=stages[cfg.plugin])
+
+
 def _total_steps(cfg: TrainConfig) -> int:
     if cfg.max_tokens is None:
         return cfg.max_steps
@@ -177,20 +191,34 @@ def _load_inputs(cfg: TrainConfig, device: torch.device) -> tuple[Any, Any, Any,
         loaded = load_model(cfg.model, tokenizer=cfg.tokenizer, data_dir=cfg.data_dir, seed=cfg.seed)
     model, tokenizer = loaded.model, loaded.tokenizer
     check_seq_len(model.config, cfg.seq_len)
+    train_set = _train_set(cfg, model, tokenizer, prepared_builtin, PackedDataset, barrier)
+    heldout = heldout_sequences(tokenizer, cfg.seq_len)
+    if cfg.lora:
+        model = _apply_lora(model, cfg.lora_rank)
+    return model.to(device), tokenizer, train_set, heldout
+
+
+def _train_set(
+    cfg: TrainConfig, model: Any, tokenizer: Any, prepared_builtin: Any, packed: Any, barrier: Any
+) -> Any:
+    """SFT conversations (`sft_data`) or packed pretraining shards (`data`, default: the built-in corpus)."""
+    if cfg.sft_data:
+        from megalith_llama.sft_data import enable_neftune
+
+        if cfg.neftune_alpha > 0:
+            enable_neftune(model, cfg.neftune_alpha)
+        return SFTDataset(cfg.sft_data, tokenizer, cfg.seq_len)
     data = (
         Path(cfg.data) if cfg.data else prepared_builtin(tokenizer, cfg.seq_len, cfg.data_dir, rank=_rank())
     )
     barrier()
-    train_set = PackedDataset(data)
+    train_set = packed(data)
     train_set.check_compatible(tokenizer, model.config)
     if train_set.seq_len != cfg.seq_len:
         raise ConfigError(
             f"--seq-len {cfg.seq_len} differs from the prepared data's seq_len {train_set.seq_len} ({data})"
         )
-    heldout = heldout_sequences(tokenizer, cfg.seq_len)
-    if cfg.lora:
-        model = _apply_lora(model, cfg.lora_rank)
-    return model.to(device), tokenizer, train_set, heldout
+    return train_set
 
 
 def _apply_lora(model: Any, rank: int) -> Any:
@@ -245,6 +273,29 @@ def _export(booster: Any, model: Any, tokenizer: Any, out: Path) -> Path:
     return final
 
 
+class SFTDataset(torch.utils.data.Dataset):
+    """Tokenized `{"messages": [...]}` conversations, right-padded to `seq_len` (loss on assistant
+    tokens and their end token only; see `sft_data.tokenize_conversation`)."""
+
+    def __init__(self, path: str, tokenizer: Any, seq_len: int) -> None:
+        from megalith_llama.sft_data import collate_sft, load_sft_jsonl
+
+        examples = load_sft_jsonl(path, tokenizer, max_length=seq_len)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        batch = collate_sft(examples, pad)
+        width = batch["input_ids"].shape[1]
+        fill = {"input_ids": pad, "labels": -100, "attention_mask": 0}
+        self.tensors = {
+            k: torch.nn.functional.pad(v, (0, seq_len - width), value=fill[k]) for k, v in batch.items()
+        }
+
+    def __len__(self) -> int:
+        return int(self.tensors["input_ids"].shape[0])
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v[i] for k, v in self.tensors.items()}
+
+
 @dataclass(frozen=True)
 class _Parts:
     """What `Booster.boost` returned, plus the booster."""
@@ -285,7 +336,10 @@ class _Loop:
             self._batches = iter(self.loader)  # the sampler moves to the next epoch by itself
             batch = next(self._batches)
         dtype = next(self.model.parameters()).dtype
-        return {k: v.to(self.device) for k, v in model_inputs(batch, dtype).items()}
+        inputs = model_inputs(batch, dtype)
+        if "attention_mask" in batch:  # padded SFT conversations
+            inputs["attention_mask"] = batch["attention_mask"]
+        return {k: v.to(self.device) for k, v in inputs.items()}
 
     def _micro_steps(self) -> tuple[float, int]:
         total, tokens = 0.0, 0

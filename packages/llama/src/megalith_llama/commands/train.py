@@ -77,6 +77,15 @@ def add_training_flags(p: argparse.ArgumentParser, output: str) -> None:
     p.add_argument(
         "--eval-batches", type=int, default=d.eval_batches, help="held-out batches per rank per evaluation"
     )
+    p.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel degree (>1 uses the hybrid plugin; ZeRO over dp)"
+    )
+    p.add_argument(
+        "--sp-mode",
+        default="none",
+        choices=["none", "split_gather", "all_to_all"],
+        help="sequence parallelism on the tp group: Megatron-SP (split_gather) or Ulysses (all_to_all)",
+    )
     p.add_argument("--lora", action="store_true", help="train LoRA adapters (peft) instead of all weights")
     p.add_argument("--lora-rank", type=int, default=d.lora_rank, help="LoRA rank")
     p.add_argument("--seed", type=int, default=d.seed, help="random seed")
