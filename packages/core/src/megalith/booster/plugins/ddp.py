@@ -52,8 +52,9 @@ class DDPPlugin(Plugin):
                 device_ids=device_ids,
                 bucket_cap_mb=self.config.bucket_cap_mb,
                 find_unused_parameters=self.config.find_unused_parameters,
-                broadcast_buffers=self.config.broadcast_buffers,
                 gradient_as_bucket_view=True,
+                # only passed when turned off: the keyword is deprecated in recent torch
+                **({} if self.config.broadcast_buffers else {"broadcast_buffers": False}),  # type: ignore[arg-type]
             )
         return Boosted(model, wrapped)
 
