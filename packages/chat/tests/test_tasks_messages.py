@@ -33,6 +33,9 @@ def test_reverse_task() -> None:
     for p in prompts:
         digits = re.search(r"digit string (\d+)\.", p.prompt[0]["content"]).group(1)  # type: ignore[union-attr]
         assert 3 <= len(digits) <= 5 and p.answer == digits[::-1]
+    small = reverse_digits_task(40, seed=2, min_len=2, max_len=2, digits="01234")
+    seen = {re.search(r"digit string (\d+)\.", p.prompt[0]["content"]).group(1) for p in small}  # type: ignore[union-attr]
+    assert all(len(s) == 2 and set(s) <= set("01234") for s in seen) and len(seen) > 5
 
 
 def test_task_rewards_by_hand() -> None:
@@ -53,6 +56,10 @@ def test_task_registry_and_bad_options() -> None:
         arithmetic_task(3, ops="+/")
     with pytest.raises(ConfigError, match="min_len"):
         reverse_digits_task(3, min_len=5, max_len=2)
+    with pytest.raises(ConfigError, match="'0a1'"):
+        reverse_digits_task(3, digits="0a1")
+    with pytest.raises(ConfigError, match="'112'"):
+        reverse_digits_task(3, digits="112")
 
 
 def _batch(**overrides: object) -> RolloutBatch:

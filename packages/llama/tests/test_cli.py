@@ -19,7 +19,7 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 
 def test_every_command_has_help(capsys: pytest.CaptureFixture[str]) -> None:
     parser = build_parser()
-    names = ["prepare", "expand-vocab", "eval", "chat", "convert"]
+    names = ["train", "sft", "prepare", "expand-vocab", "eval", "chat", "convert"]
     assert len(COMMAND_MODULES) == len(names)
     for name in names:
         with pytest.raises(SystemExit) as exc:

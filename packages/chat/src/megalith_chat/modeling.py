@@ -50,6 +50,7 @@ def convert_smollm2(root: str | Path | None = None) -> Path:
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
     )
+    _drop_gguf_quantizer(model)
     staging = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
     staging.mkdir(parents=True)
     try:
@@ -64,6 +65,17 @@ def convert_smollm2(root: str | Path | None = None) -> Path:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _drop_gguf_quantizer(model: Any) -> None:
+    """Forget the GGUF "quantizer" transformers attaches: the weights are already de-quantised fp32.
+
+    transformers 5 refuses to ``save_pretrained`` a model that still carries a non-serialisable
+    quantizer; the plain fp32 tensors are what we want on disk.
+    """
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
 
 
 def resolve_model(spec: str, root: str | Path | None = None) -> Path:

@@ -45,15 +45,23 @@ def arithmetic_task(num: int, seed: int = 0, max_operand: int = 50, ops: str = "
     return out
 
 
-def reverse_digits_task(num: int, seed: int = 0, min_len: int = 3, max_len: int = 6) -> list[PromptExample]:
-    """``num`` prompts "Reverse the digit string d1d2...dn." with ``min_len <= n <= max_len``."""
+def reverse_digits_task(
+    num: int, seed: int = 0, min_len: int = 3, max_len: int = 6, digits: str = "0123456789"
+) -> list[PromptExample]:
+    """``num`` prompts "Reverse the digit string d1d2...dn." with ``min_len <= n <= max_len``.
+
+    Each ``d_i`` is drawn uniformly from ``digits`` (e.g. ``"01234"`` for a smaller answer space:
+    ``len(digits) ** n`` distinct strings of length ``n``).
+    """
     if num < 0 or not 1 <= min_len <= max_len:
         raise ConfigError(f"need num >= 0 and 1 <= min_len <= max_len, got {num}, {min_len}, {max_len}")
+    if not digits or not digits.isdigit() or len(set(digits)) != len(digits):
+        raise ConfigError(f"digits must be distinct decimal digits, e.g. '01234', got {digits!r}")
     rng = random.Random(seed)
     out = []
     for i in range(num):
-        digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(min_len, max_len)))
-        out.append(_prompt(f"Reverse the digit string {digits}.", digits[::-1], "reverse", i))
+        string = "".join(rng.choice(digits) for _ in range(rng.randint(min_len, max_len)))
+        out.append(_prompt(f"Reverse the digit string {string}.", string[::-1], "reverse", i))
     return out
 
 

@@ -184,6 +184,8 @@ class GRPOEngine:
             train_s=t2 - t1,
             sync_s=t3 - t2,
             sync_send_s=sync["seconds"],
+            sync_buckets=sync["buckets"],
+            sync_bytes=sync["bytes"],
             dropped_stale_groups=float(buffer.dropped_stale),
         )
         return row

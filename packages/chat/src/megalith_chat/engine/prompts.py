@@ -9,7 +9,7 @@ from megalith.common.errors import ConfigError
 from megalith_chat.data.datasets import PromptExample, load_prompt_dataset
 from megalith_chat.data.tasks import get_task
 
-TASK_OPTIONS = {"arithmetic": ("max_operand", "ops"), "reverse": ("min_len", "max_len")}
+TASK_OPTIONS = {"arithmetic": ("max_operand", "ops"), "reverse": ("min_len", "max_len", "digits")}
 
 
 def _task_prompts(task: str, num: int, seed: int, options: dict[str, Any]) -> list[PromptExample]:

@@ -17,6 +17,7 @@ Pure torch + the megalith Booster: no Ray here, so a step is testable under ``ru
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +95,7 @@ class GRPOLearner:
     ) -> None:
         self.model, self.optimizer, self.booster, self.config = model, optimizer, booster, config
         self.ref_model = ref_model
+        self._times: dict[str, float] = {}
         self.dp_rank, self.dp_size, self.dp_group = dp_info(booster)
         if config.loss.kl_coef > 0 and ref_model is None and not self._has_adapter():
             raise ConfigError(f"kl_coef={config.loss.kl_coef} needs a reference model")
@@ -127,6 +129,7 @@ class GRPOLearner:
         mb = self.config.micro_batch_size
         starts = list(range(0, hi - lo, mb))
         sums: dict[str, float] = {}
+        self._times = {"logprob_s": 0.0, "backward_s": 0.0}
         for i, s in enumerate(starts):
             micro = {k: v[s : s + mb] for k, v in rows.items()}
             if i < len(starts) - 1:
@@ -137,11 +140,14 @@ class GRPOLearner:
             weight = float(micro["response_mask"].sum())
             for k, v in out.items():
                 sums[k] = sums.get(k, 0.0) + v * weight
+        t0 = time.perf_counter()
         grad_norm = float(self.optimizer.clip_grad_by_norm(self.config.max_grad_norm))
         self.optimizer.step()
         self.optimizer.zero_grad()
+        self._times["optimizer_s"] = time.perf_counter() - t0
         tokens = max(float(rows["response_mask"].sum()), 1.0)
-        metrics = all_reduce_mean({k: v / tokens for k, v in sums.items()}, self.dp_group)
+        # timings (seconds on this rank) are averaged over ranks like the token-weighted metrics
+        metrics = all_reduce_mean({**{k: v / tokens for k, v in sums.items()}, **self._times}, self.dp_group)
         metrics["grad_norm"] = grad_norm
         return metrics
 
@@ -149,6 +155,7 @@ class GRPOLearner:
         self, micro: dict[str, torch.Tensor], adv: torch.Tensor, denom: float
     ) -> dict[str, float]:
         cfg = self.config
+        t0 = time.perf_counter()
         mask = micro["response_mask"].float()
         ref = self._ref_logprobs(micro) if (cfg.loss.kl_coef > 0 or cfg.track_kl) else None
         logp = response_logprobs(
@@ -159,6 +166,7 @@ class GRPOLearner:
             micro["response_mask"],
             temperature=cfg.temperature,
         )
+        t1 = time.perf_counter()
         mask = mask.to(logp.device)
         old = micro["rollout_logprobs"].to(logp.device)
         result = policy_loss(
@@ -174,6 +182,8 @@ class GRPOLearner:
         # times dp so that the optimizer's gradient average over ranks recovers the global mean.
         scale = float(_denominator(mask, cfg.loss.agg_mode).clamp(min=1.0)) / denom * self.dp_size
         self.booster.backward(result.loss * scale, self.optimizer)
+        self._times["logprob_s"] += t1 - t0  # forward passes: policy (with graph) and reference
+        self._times["backward_s"] += time.perf_counter() - t1
         metrics = dict(result.metrics)
         if ref is not None and "kl" not in metrics:
             metrics["kl"] = float(masked_mean(kl_estimate(logp.detach(), ref.to(logp.device)), mask))
