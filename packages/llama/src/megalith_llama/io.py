@@ -15,25 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-
-def fsync_tree(root: Path) -> None:
-    """fsync every regular file below `root`, then every directory (so the entries are durable)."""
-    for dirpath, _dirnames, filenames in os.walk(root):
-        for name in filenames:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from megalith.checkpoint.atomic import fsync_dir, fsync_tree
 
 
 def _apply_umask(root: Path) -> None:
@@ -69,7 +51,7 @@ def atomic_directory(target: str | os.PathLike[str], overwrite: bool = False) ->
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
             os.replace(target, old / "content")
         os.replace(tmp, target)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:

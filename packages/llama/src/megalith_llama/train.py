@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shutil
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,12 +100,8 @@ class TrainResult:
     seconds: float
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+from megalith.distributed import rank as _rank  # noqa: E402
+from megalith.distributed import world_size as _world  # noqa: E402
 
 
 def run_training(cfg: TrainConfig) -> TrainResult:
@@ -347,7 +343,7 @@ class _Loop:
         for micro in range(accum):
             batch = self._next_batch()
             sync = micro == accum - 1
-            with self.booster.no_sync(self.model, self.optimizer) if not sync else _nullcontext():
+            with self.booster.no_sync(self.model, self.optimizer) if not sync else nullcontext():
                 loss = self.model(**batch).loss / accum
                 self.booster.backward(loss, self.optimizer)
             total += float(loss.detach())
@@ -415,18 +411,5 @@ class _Loop:
                 prune_checkpoints(self.out / "checkpoints", self.cfg.keep_checkpoints)
 
 
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(d, default=str))
-
-
-def remove_run(output: str | Path) -> None:
-    """Delete a run directory (used by `--overwrite`)."""
-    shutil.rmtree(output, ignore_errors=True)

@@ -32,6 +32,7 @@ from megalith.checkpoint import (
     read_rng,
     resolve,
     restore_rng,
+    staging_path,
     write_hf_streamed,
     write_json,
     write_model,
@@ -162,7 +163,7 @@ class Booster:
         if _rank() == 0:
             fresh_staging(path)
         barrier()
-        self._save_optim(optimizer, _staging(path))
+        self._save_optim(optimizer, staging_path(path))
         barrier()
         if _rank() == 0:
             commit(path)
@@ -204,7 +205,7 @@ class Booster:
         if _rank() == 0:
             staging = fresh_staging(path)
         barrier()
-        staging = _staging(path)
+        staging = staging_path(path)
         if self.plugin.sharded_params:  # every rank writes the pieces it holds
             write_model_pieces(
                 staging / SHARDED_MODEL, _rank(), _world(), self.plugin.model_pieces(model), _shapes(model)
@@ -274,12 +275,6 @@ class Booster:
             )
             restore_rng(read_rng(root / "rng", 0))
         return meta
-
-
-def _staging(path: Path) -> Path:
-    from megalith.checkpoint import staging_path
-
-    return staging_path(path)
 
 
 def _save_config(model: nn.Module, directory: Path) -> None:

@@ -1,6 +1,6 @@
 """Atomic checkpoints: HF safetensors model dirs, resharding optimizer pieces, training state (layer 4)."""
 
-from megalith.checkpoint.atomic import commit, fresh_staging, resolve, staging_path
+from megalith.checkpoint.atomic import commit, fresh_staging, fsync_dir, fsync_tree, resolve, staging_path
 from megalith.checkpoint.model_io import read_model_into, weight_files, write_model
 from megalith.checkpoint.optimizer_io import OptimPiece, PieceReader, write_meta, write_pieces
 from megalith.checkpoint.state_io import read_json, read_rng, restore_rng, write_json, write_rng
@@ -10,6 +10,8 @@ __all__ = [
     "PieceReader",
     "commit",
     "fresh_staging",
+    "fsync_dir",
+    "fsync_tree",
     "read_json",
     "read_model_into",
     "read_rng",

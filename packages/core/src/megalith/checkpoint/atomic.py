@@ -32,7 +32,8 @@ def fresh_staging(path: str | os.PathLike[str]) -> Path:
     return tmp
 
 
-def _fsync_tree(root: Path) -> None:
+def fsync_tree(root: Path) -> None:
+    """fsync every file below `root`, then every directory (so the entries are durable)."""
     for dirpath, _, files in os.walk(root):
         for name in files:
             fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
@@ -40,10 +41,11 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(Path(dirpath))
+        fsync_dir(Path(dirpath))
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a directory (makes renames and new entries in it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -57,14 +59,14 @@ def commit(path: str | os.PathLike[str]) -> Path:
     tmp = staging_path(final)
     if not tmp.is_dir():
         raise CheckpointError(f"no staged checkpoint at {tmp}")
-    _fsync_tree(tmp)
+    fsync_tree(tmp)
     old = _old_path(final)
     if old.exists():
         shutil.rmtree(old)
     if final.exists():
         os.rename(final, old)
     os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     if old.exists():
         shutil.rmtree(old)
     return final

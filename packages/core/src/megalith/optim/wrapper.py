@@ -93,6 +93,32 @@ class BoostedOptimizer:
     def _after_inner_step(self, stash: Any) -> None:
         """Runs after the wrapped optimizer's step, before publishing parameters."""
 
+    def _elementwise(self, master: torch.Tensor) -> list[torch.Tensor]:
+        """The flattened master and every optimizer state of the same size (Adam's moments...)."""
+        return [master.view(-1)] + [
+            t.view(-1)
+            for t in self.optim.state.get(master, {}).values()
+            if isinstance(t, torch.Tensor) and t.numel() == master.numel()
+        ]
+
+    def _stash_pieces(self, names: set[str]) -> list[tuple[torch.Tensor, slice, list[torch.Tensor]]]:
+        """Copies of the master and state windows of parameters `names`, for `_restore_pieces`
+        (used to keep parameters that got no gradient on any rank from moving)."""
+        stash = []
+        for master, refs in self.owned() if names else []:
+            tensors = self._elementwise(master)
+            for ref in refs:
+                if ref.name in names:
+                    window = slice(ref.offset, ref.offset + ref.end - ref.start)
+                    stash.append((master, window, [t[window].clone() for t in tensors]))
+        return stash
+
+    def _restore_pieces(self, stash: list[tuple[torch.Tensor, slice, list[torch.Tensor]]] | None) -> None:
+        for master, window, saved in stash or []:
+            # states created by the step in between have no saved copy: they start at 0 anyway
+            for t, old in zip(self._elementwise(master), saved, strict=False):
+                t[window].copy_(old)
+
     def load_master_values(self, read: Callable[[str, int, int], torch.Tensor]) -> None:
         """Overwrite every master piece with `read(name, start, end)` (flattened values)."""
         with torch.no_grad():

@@ -10,7 +10,6 @@ gradient shard and frees p.grad as soon as its bucket is reduced.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -178,30 +177,10 @@ class ZeroOptimizer(BoostedOptimizer):
         if dist.is_initialized() and self.dp_size > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.dp_group)
         unused = {s.name for s, f in zip(slots, flags.tolist(), strict=True) if not f}
-        if not unused:
-            return None
-        stash = []
-        for master, refs in self.owned():
-            tensors = [master.view(-1)] + [
-                t.view(-1)
-                for t in self.optim.state.get(master, {}).values()
-                if isinstance(t, torch.Tensor) and t.numel() == master.numel()
-            ]
-            for ref in refs:
-                if ref.name in unused:
-                    window = slice(ref.offset, ref.offset + ref.end - ref.start)
-                    stash.append((master, window, [t[window].clone() for t in tensors]))
-        return stash
+        return self._stash_pieces(unused)
 
     def _after_inner_step(self, stash: Any) -> None:
-        for master, window, saved in stash or []:
-            tensors = [master.view(-1)] + [
-                t.view(-1)
-                for t in self.optim.state.get(master, {}).values()
-                if isinstance(t, torch.Tensor) and t.numel() == master.numel()
-            ]
-            for t, old in zip(tensors, saved, strict=False):  # states created by this step start at 0
-                t[window].copy_(old)
+        self._restore_pieces(stash)
 
     def _zero_grad(self) -> None:
         self._got_grad.clear()
@@ -257,7 +236,3 @@ def named_parameter_map(model: nn.Module) -> dict[nn.Parameter, str]:
     for name, p in model.named_parameters():
         out.setdefault(p, name)
     return out
-
-
-def trainable(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
-    return [p for p in params if p.requires_grad]

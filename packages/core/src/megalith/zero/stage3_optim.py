@@ -150,13 +150,6 @@ class Zero3Optimizer(BoostedOptimizer):
             seg.grad_acc = None
             master.grad = None
 
-    def _elementwise(self, master: torch.Tensor) -> list[torch.Tensor]:
-        return [master.view(-1)] + [
-            t.view(-1)
-            for t in self.optim.state.get(master, {}).values()
-            if isinstance(t, torch.Tensor) and t.numel() == master.numel()
-        ]
-
     def _before_inner_step(self) -> Any:
         """Parameters no rank saw a gradient for must not move (a torch optimizer skips grad=None)."""
         slots = [s for seg in self.segments for s in seg.slots]
@@ -164,19 +157,10 @@ class Zero3Optimizer(BoostedOptimizer):
         if dist.is_initialized() and self.sharder.dp_size > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.dp_group)
         unused = {s.name for s, f in zip(slots, flags.tolist(), strict=True) if not f}
-        stash = []
-        for master, refs in self.owned() if unused else []:
-            tensors = self._elementwise(master)
-            for ref in refs:
-                if ref.name in unused:
-                    window = slice(ref.offset, ref.offset + ref.end - ref.start)
-                    stash.append((master, window, [t[window].clone() for t in tensors]))
-        return stash
+        return self._stash_pieces(unused)
 
     def _after_inner_step(self, stash: Any) -> None:
-        for master, window, saved in stash or []:
-            for t, old in zip(self._elementwise(master), saved, strict=False):
-                t[window].copy_(old)
+        self._restore_pieces(stash)
 
     def owned(self) -> list[tuple[torch.Tensor, list[PieceRef]]]:
         return [(m, seg.pieces()) for seg, m in zip(self.segments, self.masters, strict=True)]
