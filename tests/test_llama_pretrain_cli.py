@@ -81,6 +81,10 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _tail(path: Path) -> str:
+    return path.read_text(errors="replace")[-4000:]
+
+
 def _losses(output: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
@@ -103,11 +107,12 @@ def test_train_two_ranks_exports_hf_and_resumes_exactly(tmp_path):
 
     # Same run, killed with SIGKILL once step 7 is logged (a checkpoint exists at step 5) ...
     killed = tmp_path / "killed"
+    log = (tmp_path / "killed.log").open("w")
     proc = subprocess.Popen(
         _cmd(tmp_path, killed),
         env=_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     deadline = time.monotonic() + 300
@@ -115,8 +120,13 @@ def test_train_two_ranks_exports_hf_and_resumes_exactly(tmp_path):
         if (killed / "metrics.jsonl").exists() and 7 in _losses(killed):
             break
         time.sleep(0.05)
+    if proc.poll() is not None:
+        pytest.fail(
+            f"the run ended (rc {proc.returncode}) before step 7 was logged:\n{_tail(tmp_path / 'killed.log')}"
+        )
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
+    log.close()
     assert 40 not in _losses(killed), "the run finished before it could be killed"
 
     # ... and restarted with --resume auto: the same per-step losses, bitwise.
