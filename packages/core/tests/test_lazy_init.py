@@ -80,7 +80,9 @@ def data_bytes() -> int:
 def capped_worker(rank, world, cap):
     import ctypes
 
-    ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: big blocks always mmap'd
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: big blocks always mmap'd
+    libc.malloc_trim(0)  # free heap left by earlier tests in the forked parent would not count
     model = meta_llama(**BIG)
     numel = sum(p.numel() for p in model.parameters())
     resource.setrlimit(resource.RLIMIT_DATA, (data_bytes() + cap, resource.RLIM_INFINITY))

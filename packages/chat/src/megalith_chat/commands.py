@@ -41,6 +41,22 @@ def _common(p: argparse.ArgumentParser, out: str, lr: float, lora_r: int = 0) ->
         help="parallelism plugin of the trainer (default: zero2)",
     )
     p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel degree of the trainer: > 1 shards every projection over groups of N ranks "
+        "(HybridPlugin; --plugin then applies over the remaining data-parallel ranks; producers receive "
+        "the full gathered weights). Not with LoRA or rm (default: 1)",
+    )
+    p.add_argument(
+        "--sp-mode",
+        choices=["none", "split_gather", "all_to_all"],
+        default="none",
+        help="sequence parallelism on the tp group: split_gather (Megatron-SP; batches are padded to a "
+        "multiple of --tp). all_to_all (Ulysses) is refused: the chat losses need full-sequence logits "
+        "(default: none)",
+    )
+    p.add_argument(
         "--precision",
         choices=["fp32", "bf16", "fp16"],
         default="fp32",
@@ -113,6 +129,13 @@ def add_grpo_parser(sub: Any) -> None:
         "--max-new-tokens", type=int, default=12, help="generation budget per response (default: 12)"
     )
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: 1.0)")
+    p.add_argument(
+        "--rollout-engine",
+        choices=["auto", "hf", "fast"],
+        default="auto",
+        help="producer generation: 'hf' (HF generate), 'fast' (static KV cache + CUDA graphs, see the "
+        "README), 'auto' = fast when CUDA is available, else hf (default: auto)",
+    )
     p.add_argument(
         "--advantage",
         choices=["grpo", "dr_grpo", "rloo"],
@@ -252,6 +275,7 @@ def grpo_config(args: argparse.Namespace) -> Any:
             ray_address=args.ray_address,
             num_cpus=args.num_cpus,
             threads_per_actor=args.threads_per_actor,
+            rollout_engine=args.rollout_engine,
             startup_timeout_s=t,
             rollout_timeout_s=t,
             step_timeout_s=t,
@@ -267,6 +291,8 @@ def grpo_config(args: argparse.Namespace) -> Any:
         save_every=args.save_every,
         resume=args.resume,
         export=not args.no_export,
+        tp=args.tp,
+        sp_mode=args.sp_mode,
     )
 
 

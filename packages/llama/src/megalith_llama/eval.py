@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from megalith.common.errors import DataError
@@ -83,16 +82,13 @@ def evaluate(
         if max_batches is not None and b >= max_batches:
             break
         inputs = {k: v.to(device) for k, v in model_inputs(batch, dtype).items()}
-        labels = inputs.pop("labels")
-        logits = model(**inputs).logits.float()  # [B, S, V]
+        labels = inputs["labels"]
         targets = labels[:, 1:]
-        total += F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]),
-            targets.reshape(-1),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        ).item()
-        count += int((targets != IGNORE_INDEX).sum())
+        n = int((targets != IGNORE_INDEX).sum())
+        # The model's own loss (mean over the shifted labelled tokens): under tensor parallelism the
+        # logits are vocabulary or sequence shards and only the model's loss function sees them whole.
+        total += float(model(**inputs).loss.float()) * n if n else 0.0
+        count += n
         seqs += labels.shape[0]
     if count == 0:
         raise DataError("no labelled tokens to evaluate")

@@ -129,15 +129,19 @@ def run_training(cfg: TrainConfig) -> TrainResult:
         model, optimizer, dataloader=loader, lr_scheduler=scheduler
     )
     assert optimizer is not None
+    if cfg.sft_data and cfg.neftune_alpha > 0:  # after boost: tensor parallelism swaps the embedding
+        from megalith_llama.sft_data import enable_neftune
+
+        enable_neftune(booster.unwrap(model), cfg.neftune_alpha)
     step = _maybe_resume(cfg, booster, model, optimizer, scheduler, loader, out)
     metrics = MetricsLog(out / "metrics.jsonl", enabled=info.rank == 0, truncate_after=step)
-    ppl_before = _heldout_ppl(booster.unwrap(model), heldout, cfg, info.device.torch)
+    ppl_before = _heldout_ppl(booster, model, heldout, cfg, info.device.torch)
     if step == 0:
         metrics.write({"step": 0, "event": "eval", "val_loss": math.log(ppl_before), "val_ppl": ppl_before})
     parts = _Parts(booster, model, optimizer, scheduler, loader)
     loop = _Loop(cfg, parts, metrics, out, heldout, info.device.torch)
     loop.train(step, total_steps)
-    ppl_after = _heldout_ppl(booster.unwrap(model), heldout, cfg, info.device.torch)
+    ppl_after = _heldout_ppl(booster, model, heldout, cfg, info.device.torch)
     metrics.write(
         {"step": total_steps, "event": "eval", "val_loss": math.log(ppl_after), "val_ppl": ppl_after}
     )
@@ -199,10 +203,6 @@ def _train_set(
 ) -> Any:
     """SFT conversations (`sft_data`) or packed pretraining shards (`data`, default: the built-in corpus)."""
     if cfg.sft_data:
-        from megalith_llama.sft_data import enable_neftune
-
-        if cfg.neftune_alpha > 0:
-            enable_neftune(model, cfg.neftune_alpha)
         return SFTDataset(cfg.sft_data, tokenizer, cfg.seq_len)
     data = (
         Path(cfg.data) if cfg.data else prepared_builtin(tokenizer, cfg.seq_len, cfg.data_dir, rank=_rank())
@@ -240,15 +240,18 @@ def _maybe_resume(
     return int(meta["step"])
 
 
-def _heldout_ppl(model: Any, heldout: Any, cfg: TrainConfig, device: torch.device) -> float:
-    """Held-out perplexity: every rank evaluates a disjoint slice; token-weighted sums are all-reduced."""
+def _heldout_ppl(booster: Any, model: Any, heldout: Any, cfg: TrainConfig, device: torch.device) -> float:
+    """Held-out perplexity: every data-parallel rank evaluates a disjoint slice (the ranks of one
+    tensor-parallel group evaluate the same slice together); token-weighted sums are all-reduced
+    (a tp group counts its slice tp times in both sums, which leaves the ratio unchanged)."""
     from torch.utils.data import Subset
 
     from megalith_llama.eval import evaluate
 
-    n = min(len(heldout), cfg.eval_batches * cfg.batch_size * _world())
-    mine = Subset(heldout, list(range(_rank(), n, _world())))
-    result = evaluate(model, mine, batch_size=cfg.batch_size, device=device)
+    dp_rank, dp_size = booster.plugin.dp_rank(), booster.plugin.dp_size()
+    n = min(len(heldout), cfg.eval_batches * cfg.batch_size * dp_size)
+    mine = Subset(heldout, list(range(dp_rank, n, dp_size)))
+    result = evaluate(booster.unwrap(model), mine, batch_size=cfg.batch_size, device=device)
     sums = torch.tensor([result.loss * result.tokens, float(result.tokens)], dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(sums)
@@ -318,6 +321,7 @@ class _Loop:
         self.cfg, self.booster, self.model, self.optimizer = cfg, parts.booster, parts.model, parts.optimizer
         self.scheduler, self.loader, self.metrics, self.out = parts.scheduler, parts.loader, metrics, out
         self.heldout, self.device = heldout, device
+        self.tp = max(1, _world() // self.booster.plugin.dp_size())
         config = self.booster.unwrap(self.model).config
         self.flops_per_token = flops_per_token(self.booster.unwrap(self.model), config, cfg.seq_len)
         self.peak = peak_flops(device, cfg.precision)
@@ -373,7 +377,8 @@ class _Loop:
             stats = torch.tensor([loss, float(tokens)], dtype=torch.float64)
             if dist.is_initialized():
                 dist.all_reduce(stats)
-            mean_loss, global_tokens = float(stats[0]) / _world(), int(stats[1])
+            # every rank of a tp group saw the same tokens: count them once per dp rank
+            mean_loss, global_tokens = float(stats[0]) / _world(), int(stats[1]) // self.tp
             tokens_seen += global_tokens
             elapsed = time.perf_counter() - t0
             tok_s = tokens_seen / elapsed
@@ -394,7 +399,7 @@ class _Loop:
 
     def _periodic(self, step: int, total_steps: int) -> None:
         if self.cfg.eval_every and step % self.cfg.eval_every == 0 and step < total_steps:
-            ppl = _heldout_ppl(self.booster.unwrap(self.model), self.heldout, self.cfg, self.device)
+            ppl = _heldout_ppl(self.booster, self.model, self.heldout, self.cfg, self.device)
             self.metrics.write({"step": step, "event": "eval", "val_loss": math.log(ppl), "val_ppl": ppl})
         if step % self.cfg.save_every == 0 or step == total_steps:
             path = self.out / "checkpoints" / f"step_{step:08d}"

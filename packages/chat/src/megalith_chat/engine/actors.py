@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megalith.common.errors import ConfigError
 from megalith_chat.data.datasets import PromptExample
+from megalith_chat.engine.fast_rollout import make_fast_generator
 from megalith_chat.messages import RolloutBatch, Shutdown
 from megalith_chat.modeling import export_hf, is_peft, load_policy, load_tokenizer_dir
 from megalith_chat.rewards import RewardFunction, RewardRunner, load_reward_function, parse_reward_spec
@@ -28,6 +29,7 @@ from megalith_chat.rollout.generation import SamplingConfig, generate
 from megalith_chat.rollout.producer import PromptStream, RolloutWorker
 from megalith_chat.rollout.weight_sync import SyncGroupSpec, WeightSyncGroup, receive_weights, send_weights
 from megalith_chat.trainer.grpo import GRPOLearner
+from megalith_chat.trainer.parallel import full_parameters, pad_sequence_to_multiple
 from megalith_chat.trainer.setup import make_booster, make_optimizer
 
 logger = logging.getLogger(__name__)
@@ -79,7 +81,12 @@ class ProducerActor:
         self.tokenizer = load_tokenizer_dir(model_dir)
         reward = resolve_reward(run.prompts.reward or run.prompts.task)
         stream = PromptStream(prompts, seed=run.seed * 31 + producer_id, position=position)
-        self.worker = RolloutWorker(self.model, self.tokenizer, stream, reward, run.rollout, producer_id)
+        self.fast = make_fast_generator(
+            self.model, run.engine.rollout_engine, "bfloat16" if run.precision == "bf16" else None, run.seed
+        )
+        self.worker = RolloutWorker(
+            self.model, self.tokenizer, stream, reward, run.rollout, producer_id, generate_fn=self.fast
+        )
         self.version = 0
         self._group: WeightSyncGroup | None = None
         self._pending: Any = None
@@ -111,6 +118,8 @@ class ProducerActor:
             staged, self._pending = self._pending, None
         if staged is not None:
             staged.apply_to(self.model)
+            if self.fast is not None:
+                self.fast.engine.update_weights(self.model)
             self.version = staged.stats.version
 
     def run(self, queue: Any, put_timeout_s: float = 1.0) -> int:
@@ -178,9 +187,11 @@ class ConsumerActor:
             import copy
 
             ref = copy.deepcopy(model).eval().requires_grad_(False)
-        self.booster = make_booster(run.plugin, run.precision)
+        self.booster = make_booster(run.plugin, run.precision, run.tp, run.sp_mode, model)
         optimizer = make_optimizer(model, run.lr, run.weight_decay)
         self.model, self.optimizer, *_ = self.booster.boost(model, optimizer)
+        if run.sp_mode == "split_gather":
+            pad_sequence_to_multiple(self.model, run.tp)
         self.learner = GRPOLearner(self.model, self.optimizer, self.booster, run.learner, ref)
         self.tokenizer = load_tokenizer_dir(model_dir)
         self._group: WeightSyncGroup | None = None
@@ -199,10 +210,15 @@ class ConsumerActor:
         return 0
 
     def send_weights(self, version: int) -> dict[str, float]:
+        """Rank 0 sends; under tp > 1 every rank of its tp group calls this too (the tp blocks are
+        gathered into full tensors, a collective), and only rank 0 holds the sync group."""
+        model = self.booster.unwrap(self.model)
+        full = full_parameters(self.booster, model, is_peft(model)) if self.run_config.tp > 1 else None
+        if self._group is None and full is not None:
+            return {"seconds": 0.0, "bytes": 0.0, "buckets": 0.0, "checksum": 0.0}
         if self._group is None:
             raise ConfigError("open_sync() must be called before send_weights()")
-        model = self.booster.unwrap(self.model)
-        stats = send_weights(self._group, model, version, trainable_only=is_peft(model))
+        stats = send_weights(self._group, model, version, trainable_only=is_peft(model), params=full)
         return {
             "seconds": stats.seconds,
             "bytes": float(stats.num_bytes),

@@ -8,6 +8,7 @@ from megalith.common.errors import ConfigError
 from megalith_chat.modeling import LoraSpec
 from megalith_chat.rollout.producer import RolloutConfig
 from megalith_chat.trainer.grpo import LearnerConfig
+from megalith_chat.trainer.parallel import check_parallel
 from megalith_chat.trainer.setup import PLUGINS, PRECISIONS
 
 
@@ -27,6 +28,7 @@ class EngineConfig:
     step_timeout_s: float = 300.0
     sync_timeout_s: float = 120.0
     sync_bucket_mb: float = 32.0
+    rollout_engine: str = "auto"  # producers: "hf" generate, "fast" engine, "auto" = fast with CUDA
 
     def __post_init__(self) -> None:
         if self.num_producers < 1 or self.num_consumers < 1:
@@ -38,6 +40,8 @@ class EngineConfig:
                 f"need max_staleness >= 0, queue_size >= 1, threads_per_actor >= 1; got "
                 f"{self.max_staleness}, {self.queue_size}, {self.threads_per_actor}"
             )
+        if self.rollout_engine not in ("auto", "hf", "fast"):
+            raise ConfigError(f"rollout_engine must be auto, hf or fast, got {self.rollout_engine!r}")
         timeouts = (self.startup_timeout_s, self.rollout_timeout_s, self.step_timeout_s, self.sync_timeout_s)
         if min(timeouts) <= 0:
             raise ConfigError(f"every timeout must be > 0, got {timeouts}")
@@ -88,6 +92,8 @@ class GRPORunConfig:
     eval_every: int = 0
     eval_prompts: int = 0
     export: bool = True
+    tp: int = 1  # consumer ranks per tensor-parallel group (trainer/parallel.py)
+    sp_mode: str = "none"
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.prompts_per_step < 1:
@@ -98,9 +104,20 @@ class GRPORunConfig:
             raise ConfigError(f"plugin must be one of {PLUGINS} and precision one of {PRECISIONS}")
         if self.lr <= 0 or self.save_every < 0 or self.eval_every < 0 or self.eval_prompts < 0:
             raise ConfigError("need lr > 0 and save_every, eval_every, eval_prompts >= 0")
-        samples = self.prompts_per_step * self.rollout.group_size
-        if samples % self.engine.num_consumers:
+        check_parallel(self.tp, self.sp_mode, self.lora is not None)
+        if self.engine.num_consumers % self.tp:
+            raise ConfigError(
+                f"num_consumers = {self.engine.num_consumers} is not divisible by tp = {self.tp} "
+                "(the consumers form tensor-parallel groups of tp ranks)"
+            )
+        if self.sp_mode != "none" and self.eval_every:
+            raise ConfigError(
+                f"eval_every = {self.eval_every} needs generation on the consumers, which "
+                f"sp_mode={self.sp_mode!r} does not support (one new token is no sequence to split)"
+            )
+        samples, dp = self.prompts_per_step * self.rollout.group_size, self.engine.num_consumers // self.tp
+        if samples % dp:
             raise ConfigError(
                 f"prompts_per_step * group_size = {samples} samples must divide evenly over "
-                f"{self.engine.num_consumers} consumer ranks"
+                f"{dp} data-parallel consumer ranks (num_consumers / tp)"
             )

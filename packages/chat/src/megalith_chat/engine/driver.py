@@ -145,6 +145,8 @@ class GRPOEngine:
     def _sync(self) -> dict[str, float]:
         eng = self.config.engine
         refs = {"consumer rank 0 (send)": self.consumers[0].send_weights.remote(self.version)}
+        for i in range(1, self.config.tp):  # the rest of rank 0's tp group gathers the full tensors with it
+            refs[f"consumer rank {i} (gather)"] = self.consumers[i].send_weights.remote(self.version)
         refs.update(
             {f"producer {i}": p.receive_weights.remote(self.version) for i, p in enumerate(self.producers)}
         )
@@ -204,12 +206,10 @@ class GRPOEngine:
     def evaluate(self) -> dict[str, float]:
         cfg = self.config
         prompts = eval_prompts(cfg.prompts, cfg.eval_prompts)
-        ref = self.consumers[0].evaluate.remote(
-            prompts, cfg.rollout.sampling.max_new_tokens, cfg.rollout.response_prefix
-        )
-        return wait_all({"consumer rank 0": ref}, cfg.engine.step_timeout_s, what="evaluation")[
-            "consumer rank 0"
-        ]
+        args = (prompts, cfg.rollout.sampling.max_new_tokens, cfg.rollout.response_prefix)
+        # under tp > 1 the ranks of consumer rank 0's tp group generate together
+        refs = {f"consumer rank {i}": self.consumers[i].evaluate.remote(*args) for i in range(cfg.tp)}
+        return wait_all(refs, cfg.engine.step_timeout_s, what="evaluation")["consumer rank 0"]
 
     def _resume(self) -> int:
         path = self.out / CHECKPOINT

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -100,8 +100,11 @@ class RolloutWorker:
         reward_fn: RewardFunction,
         config: RolloutConfig,
         producer_id: int = 0,
+        generate_fn: Callable[..., Generated] | None = None,
     ) -> None:
+        """``generate_fn`` replaces HF :func:`generate` (same signature), e.g. the fast engine's."""
         self.model, self.tokenizer, self.stream = model, tokenizer, stream
+        self.generate_fn = generate_fn or generate
         self.reward_fn, self.config, self.producer_id = reward_fn, config, producer_id
         self.runner = RewardRunner(timeout_s=config.reward_timeout_s)
 
@@ -118,7 +121,7 @@ class RolloutWorker:
         """Generate and score ``num_prompts`` groups (unfiltered) plus round statistics."""
         prompts = [self.stream.next() for _ in range(num_prompts)]
         t0 = time.perf_counter()
-        gen = generate(
+        gen = self.generate_fn(
             self.model,
             self.tokenizer,
             [p.prompt for p in prompts],

@@ -148,10 +148,20 @@ def _wire(spec: SyncGroupSpec) -> torch.dtype:
 
 
 @torch.no_grad()
-def send_weights(group: WeightSyncGroup, model: nn.Module, version: int, trainable_only: bool) -> SyncStats:
-    """Member 0: broadcast the model's parameters bucket by bucket, each followed by its header."""
+def send_weights(
+    group: WeightSyncGroup,
+    model: nn.Module,
+    version: int,
+    trainable_only: bool,
+    params: Sequence[tuple[str, torch.Tensor]] | None = None,
+) -> SyncStats:
+    """Member 0: broadcast the model's parameters bucket by bucket, each followed by its header.
+
+    ``params`` replaces ``sync_parameters(model, trainable_only)`` when the trainer's parameters
+    are not the tensors the producers hold: the full tensors gathered from tensor-parallel blocks
+    (``trainer.parallel.full_parameters``; same names, order and shapes as a plain model)."""
     start = time.perf_counter()
-    params = sync_parameters(model, trainable_only)
+    params = list(params) if params is not None else sync_parameters(model, trainable_only)
     dtype = _wire(group.spec)
     elem = torch.empty((), dtype=dtype).element_size()
     sums, nbytes, count = [], 0, 0

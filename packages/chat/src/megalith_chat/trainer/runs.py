@@ -19,6 +19,7 @@ from megalith_chat.modeling import (
 )
 from megalith_chat.rollout.generation import pad_token_id
 from megalith_chat.trainer.loop import LoopConfig, train_loop
+from megalith_chat.trainer.parallel import check_parallel, pad_sequence_to_multiple
 from megalith_chat.trainer.setup import make_booster, make_optimizer
 from megalith_chat.trainer.supervised import (
     ListDataset,
@@ -66,13 +67,16 @@ def run_supervised_command(args: argparse.Namespace) -> list[dict[str, float]]:
     """One sft / dpo / rm run (inside an initialised process group, or a single process)."""
     import torch
 
+    check_parallel(args.tp, args.sp_mode, args.lora_r > 0, args.command)  # before any model loads
     torch.manual_seed(args.seed)
     model_dir = resolve_model(args.model, args.data_dir)
     tokenizer = load_tokenizer_dir(model_dir)
     model, dataset, collate = _model_and_data(args, model_dir, tokenizer)
-    booster = make_booster(args.plugin, args.precision)
+    booster = make_booster(args.plugin, args.precision, args.tp, args.sp_mode, model)
     optimizer = make_optimizer(model, args.lr)
     model, optimizer, *_ = booster.boost(model, optimizer)
+    if args.sp_mode == "split_gather":
+        pad_sequence_to_multiple(model, args.tp)
     loader = booster.prepare_dataloader(
         dataset, args.batch_size, shuffle=True, seed=args.seed, collate_fn=collate
     )

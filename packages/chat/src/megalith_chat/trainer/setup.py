@@ -12,17 +12,30 @@ from torch import nn
 from megalith.booster import Booster
 from megalith.booster.plugins import DDPPlugin, ZeroPlugin
 from megalith.common.errors import ConfigError
+from megalith_chat.trainer.parallel import hybrid_plugin
 
 PLUGINS = ("ddp", "zero1", "zero2")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
-def make_booster(plugin: str = "zero2", precision: str = "fp32") -> Booster:
-    """``ddp`` | ``zero1`` | ``zero2`` with ``fp32`` | ``bf16`` | ``fp16``."""
+def make_booster(
+    plugin: str = "zero2",
+    precision: str = "fp32",
+    tp: int = 1,
+    sp_mode: str = "none",
+    model: nn.Module | None = None,
+) -> Booster:
+    """``ddp`` | ``zero1`` | ``zero2`` with ``fp32`` | ``bf16`` | ``fp16``; with ``tp > 1`` the
+    hybrid plugin (tensor parallel over tp, ``plugin`` over dp; see trainer/parallel.py), which
+    needs the ``model`` for its plan."""
     if plugin not in PLUGINS:
         raise ConfigError(f"unknown plugin {plugin!r}; expected one of {PLUGINS}")
     if precision not in PRECISIONS:
         raise ConfigError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
+    if tp > 1:
+        if model is None:
+            raise ConfigError(f"make_booster(tp={tp}) needs the model (its tensor-parallel plan)")
+        return Booster(plugin=hybrid_plugin(model, plugin, tp, sp_mode), precision=precision)
     chosen = DDPPlugin() if plugin == "ddp" else ZeroPlugin(stage=int(plugin[-1]))
     return Booster(plugin=chosen, precision=precision)
 

@@ -18,6 +18,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
+from megalith.booster.checkpointing import (
+    AsyncCheckpoint,
+    checkpoint_group,
+    load_optimizer_dcp,
+    model_reader,
+    save_model_dcp,
+    state_job,
+)
 from megalith.booster.optim_state import load_optimizer_state, save_optimizer_state
 from megalith.booster.plugins.base import Plugin
 from megalith.booster.plugins.ddp import DDPPlugin
@@ -26,6 +34,7 @@ from megalith.checkpoint import (
     ModelReader,
     commit,
     fresh_staging,
+    is_dcp,
     is_sharded_model,
     read_json,
     read_model_into,
@@ -36,7 +45,6 @@ from megalith.checkpoint import (
     write_hf_streamed,
     write_json,
     write_model,
-    write_model_pieces,
     write_rng,
 )
 from megalith.common.errors import CheckpointError, ConfigError
@@ -58,9 +66,18 @@ def _world() -> int:
 
 
 class Booster:
-    def __init__(self, plugin: Plugin | None = None, precision: str | Precision = "fp32") -> None:
+    def __init__(
+        self,
+        plugin: Plugin | None = None,
+        precision: str | Precision = "fp32",
+        kernels: bool = False,
+        compile: bool = False,
+    ) -> None:
+        """`kernels=True` swaps megalith's fused kernels into HF Llama/Qwen2/Mistral models
+        (`megalith.policies.kernels`); `compile=True` runs `torch.compile` on the boosted model."""
         self.plugin = plugin or DDPPlugin()
         self.precision = precision if isinstance(precision, Precision) else Precision(precision)
+        self.kernels, self.compile = kernels, compile
 
     # -- setup ------------------------------------------------------------------------------------
     def boost(
@@ -75,7 +92,11 @@ class Booster:
         updated in place (its param_groups point at the masters), so an LR scheduler built on it works."""
         if not isinstance(model, nn.Module):
             raise ConfigError(f"boost() needs an nn.Module, got {type(model).__name__}")
+        if self.kernels:
+            _apply_kernels(self.plugin, model)
         boosted = self.plugin.configure(model, optimizer, self.precision)
+        if self.compile:
+            boosted.model.compile()  # in place: parameter names and state_dict keys unchanged
         return boosted.model, boosted.optimizer, criterion, dataloader, lr_scheduler
 
     def prepare_dataloader(
@@ -118,15 +139,42 @@ class Booster:
         with self.plugin.no_sync(model, optimizer):
             yield
 
+    def execute_pipeline(
+        self,
+        data_iter: Iterator[Any],
+        model: nn.Module,
+        criterion: Callable[..., torch.Tensor] | None = None,
+        optimizer: BoostedOptimizer | None = None,
+        return_loss: bool = True,
+    ) -> dict[str, Any]:
+        """ColossalAI's verb: forward + backward of `next(data_iter)` split into microbatches and run
+        by the plugin's pipeline schedule; `criterion(outputs, microbatch)` on the last stage (None:
+        the model's own causal-LM loss). Returns {"loss": mean loss on every rank or None, "outputs": None}."""
+        run = getattr(self.plugin, "execute_pipeline", None)
+        if run is None:
+            raise ConfigError(f"plugin {self.plugin.name} has no pipeline: use HybridPlugin(pp_size=...)")
+        return dict(run(data_iter, model, criterion, optimizer, return_loss))
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         return self.plugin.unwrap(model)
 
     # -- model checkpoints ------------------------------------------------------------------------------
     def save_model(
-        self, model: nn.Module, path: str | Path, shard: bool = True, max_shard_size_mb: int = 2048
+        self,
+        model: nn.Module,
+        path: str | Path,
+        shard: bool = True,
+        max_shard_size_mb: int = 2048,
+        format: str = "hf",
     ) -> Path:
-        """HF-loadable safetensors directory (plus config.json for HF models), written atomically."""
+        """HF-loadable safetensors directory (plus config.json for HF models), written atomically.
+        `format="dcp"`: the sharded DCP directory of `save_state` instead (every rank writes its
+        pieces, nothing is gathered; `load_model` reads it, `export_hf` converts it)."""
         path = Path(path)
+        if format == "dcp":
+            return save_model_dcp(self.plugin, model, path)
+        if format != "hf":
+            raise ConfigError(f"save_model format must be 'hf' or 'dcp', got {format!r}")
         if self.plugin.sharded_params:  # every rank gathers one piece at a time; rank 0 writes
             _save_sharded_export(self.plugin, model, path, max_shard_size_mb * 2**20 if shard else 2**62)
             return path
@@ -149,6 +197,9 @@ class Booster:
         Reads an HF directory or a sharded model checkpoint (`save_state` of a sharded plugin);
         sharded plugins read only the ranges this rank holds."""
         root = resolve(path)
+        if is_dcp(root):
+            self.plugin.load_model_pieces(model, optimizer, model_reader(self.plugin, model, root))
+            return
         if self.plugin.sharded_params or is_sharded_model(root):
             self.plugin.load_model_pieces(model, optimizer, ModelReader(root))
             return
@@ -176,14 +227,16 @@ class Booster:
         custom = getattr(self.plugin, "save_optimizer_state", None)
         if custom is not None:
             custom(optimizer, directory)
-        else:
+        else:  # the per-rank piece format, which every plugin reads (save_state writes DCP)
             save_optimizer_state(optimizer, directory, _rank())
 
     def _load_optim(self, optimizer: BoostedOptimizer, directory: Path) -> None:
         custom = getattr(self.plugin, "load_optimizer_state", None)
         if custom is not None:
             custom(optimizer, directory)
-        else:
+        elif is_dcp(directory):
+            load_optimizer_dcp(optimizer, directory)
+        else:  # a checkpoint of the earlier per-rank piece format
             load_optimizer_state(optimizer, directory)
 
     def load_optimizer(self, optimizer: BoostedOptimizer, path: str | Path) -> None:
@@ -199,23 +252,26 @@ class Booster:
         dataloader: Any = None,
         step: int = 0,
         extra: dict[str, Any] | None = None,
-    ) -> Path:
-        """Everything needed for exact resume: model, optimizer, scheduler, sampler, every rank's RNG, step."""
+        async_save: bool = False,
+    ) -> Path | AsyncCheckpoint:
+        """Everything needed for exact resume: model, optimizer, scheduler, sampler, every rank's RNG, step.
+
+        Model and optimizer are sharded DCP checkpoints that any plugin / world size loads
+        (booster/checkpointing.py). `async_save=True` returns an `AsyncCheckpoint` as soon as the
+        pieces are copied to CPU; writing and the atomic commit go on in the background, and the
+        next save / load or `wait_for_checkpoint()` waits for them."""
         path = Path(path)
+        self.wait_for_checkpoint()
         if _rank() == 0:
             staging = fresh_staging(path)
         barrier()
         staging = staging_path(path)
-        if self.plugin.sharded_params:  # every rank writes the pieces it holds
-            write_model_pieces(
-                staging / SHARDED_MODEL, _rank(), _world(), self.plugin.model_pieces(model), _shapes(model)
-            )
+        group = checkpoint_group(self, async_save)
+        job = state_job(self.plugin, model, optimizer, staging, group)
+        if async_save:
+            job = job.snapshot()
         if _rank() == 0:
-            if not self.plugin.sharded_params:
-                write_model(self.unwrap(model), staging / "model")
-            _save_config(
-                self.unwrap(model), staging / (SHARDED_MODEL if self.plugin.sharded_params else "model")
-            )
+            _save_config(self.unwrap(model), staging / SHARDED_MODEL)
             trainer = {
                 "format": STATE_FORMAT,
                 "step": step,
@@ -232,8 +288,11 @@ class Booster:
                 },
                 staging / "trainer.pt",
             )
-        self._save_optim(optimizer, staging / "optimizer")
         write_rng(staging / "rng", _rank())
+        if async_save:
+            self._pending = AsyncCheckpoint(path, job, group, commit)
+            return self._pending
+        job.write(group)
         barrier()
         if _rank() == 0:
             commit(path)
@@ -249,6 +308,7 @@ class Booster:
         dataloader: Any = None,
     ) -> dict[str, Any]:
         """Restore what `save_state` wrote; returns state.json (with "step" and "extra")."""
+        self.wait_for_checkpoint()
         root = resolve(path)
         meta = read_json(root / "state.json")
         if meta.get("format") != STATE_FORMAT:
@@ -276,6 +336,23 @@ class Booster:
             restore_rng(read_rng(root / "rng", 0))
         return meta
 
+    _pending: AsyncCheckpoint | None = None  # the last async save_state, until waited for
+
+    def wait_for_checkpoint(self) -> Path | None:
+        """Wait until the last `save_state(..., async_save=True)` is committed (every rank calls
+        it); its path, or None when none is pending. Raises its CheckpointError if it failed."""
+        pending, self._pending = self._pending, None
+        return pending.wait() if pending is not None else None
+
+
+def _apply_kernels(plugin: Plugin, model: nn.Module) -> None:
+    from megalith.policies.kernels import apply_kernels
+
+    tp = getattr(getattr(plugin, "config", None), "tp_size", 1)
+    if tp != 1:
+        raise ConfigError(f"kernels=True needs tp_size 1 (the fused MLP/LM head are not tp-aware), got {tp}")
+    apply_kernels(model)
+
 
 def _save_config(model: nn.Module, directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
@@ -284,7 +361,12 @@ def _save_config(model: nn.Module, directory: Path) -> None:
         config.save_pretrained(str(directory))
 
 
-def _shapes(model: nn.Module) -> dict[str, tuple[list[int], str]]:
+def _shapes(plugin: Plugin, model: nn.Module) -> dict[str, tuple[list[int], str]]:
+    """Shape and dtype per state-dict entry as the checkpoint records them: the *full* shapes (a
+    plugin that holds blocks of the tensors, e.g. tensor parallelism, says so via `model_shapes`)."""
+    full = getattr(plugin, "model_shapes", None)
+    if full is not None:
+        return dict(full(model))
     return {n: (list(t.shape), str(t.dtype)) for n, t in model.state_dict(keep_vars=True).items()}
 
 

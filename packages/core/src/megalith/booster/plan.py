@@ -27,4 +27,7 @@ def plan(model: nn.Module, plugin: Plugin, world_size: int, precision: str = "fp
         trainable += p.numel() if p.requires_grad else 0
     if total == 0:
         raise ConfigError(f"model {type(model).__name__} has no parameters")
+    per_model = getattr(plugin, "model_memory_plan", None)  # plugins that count per parameter
+    if per_model is not None:
+        return per_model(model, world_size, prec)
     return plugin.memory_plan(total, trainable, world_size, prec)

@@ -26,6 +26,15 @@ __all__ = [
     "write_rng",
 ]
 
+from megalith.checkpoint.dcp import (
+    DCPModelReader,
+    DCPReader,
+    FlatPiece,
+    is_dcp,
+    iter_full_tensors,
+    save_pieces,
+    split_for_rank,
+)
 from megalith.checkpoint.sharded import (
     ModelReader,
     export_hf,
@@ -35,3 +44,13 @@ from megalith.checkpoint.sharded import (
 )
 
 __all__ += ["ModelReader", "export_hf", "is_sharded_model", "write_hf_streamed", "write_model_pieces"]
+
+__all__ += [
+    "DCPModelReader",
+    "DCPReader",
+    "FlatPiece",
+    "is_dcp",
+    "iter_full_tensors",
+    "save_pieces",
+    "split_for_rank",
+]

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megalith.checkpoint.dcp import is_dcp, iter_full_tensors
 from megalith.checkpoint.model_io import INDEX_NAME, WEIGHTS_NAME, weight_files
 from megalith.checkpoint.optimizer_io import OptimPiece, PieceReader, write_meta, write_pieces
 from megalith.common.errors import CheckpointError
@@ -137,18 +138,20 @@ def _name_shards(directory: Path, shards: list[list[str]], total: int) -> None:
 
 
 def export_hf(sharded: Path, out: Path, max_shard_bytes: int = 2 * 2**30) -> Path:
-    """Convert a sharded model checkpoint into an HF safetensors directory, tensor by tensor
-    (copy the model's config.json next to it for `from_pretrained`)."""
-    reader = ModelReader(sharded)
-    if not reader.sharded:
-        raise CheckpointError(f"{sharded} is not a sharded model checkpoint (no {FORMAT} meta.json)")
+    """Convert a sharded model checkpoint (DCP, or the earlier piece format) into an HF safetensors
+    directory, tensor by tensor: memory is one full tensor plus one output shard. The model's
+    config.json is copied next to it for `from_pretrained`."""
+    if is_dcp(sharded):
+        items: Iterator[tuple[str, torch.Tensor]] = iter_full_tensors(sharded)
+    else:
+        reader = ModelReader(sharded)
+        if not reader.sharded:
+            raise CheckpointError(
+                f"{sharded} is not a sharded model checkpoint (no DCP .metadata, no {FORMAT} meta.json)"
+            )
+        items = ((name, reader.full(name)) for name in sorted(reader.names()))
     out.mkdir(parents=True, exist_ok=True)
-
-    def items() -> Iterator[tuple[str, torch.Tensor]]:
-        for name in sorted(reader.names()):
-            yield name, reader.full(name)
-
-    write_hf_streamed(items(), out, max_shard_bytes)
+    write_hf_streamed(items, out, max_shard_bytes)
     for extra in ("config.json", "generation_config.json"):
         if (sharded / extra).exists():
             (out / extra).write_text((sharded / extra).read_text())

@@ -41,3 +41,7 @@ __all__ = [
     "CommCounter",
     "count_comm",
 ]
+
+from megalith.distributed.collectives import comm_device
+
+__all__ += ["comm_device"]

@@ -34,6 +34,14 @@ def barrier(timeout_s: float = 300.0, group: dist.ProcessGroup | None = None) ->
         raise DistributedError(f"barrier failed after up to {timeout_s:.0f}s: {exc}") from exc
 
 
+def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a small tensor for a collective on `group` must live: the current CUDA device for
+    NCCL, the CPU otherwise (gloo)."""
+    if dist.is_initialized() and "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_reduce_scalar(
     value: float, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, group: dist.ProcessGroup | None = None
 ) -> float:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 
-class Op(str, Enum):
+class Op(str, Enum):  # noqa: UP042 (str mix-in kept: the values are the wire names)
     F = "F"
     B = "B"
     W = "W"

@@ -4,6 +4,8 @@ Attention: q/k/v column-parallel (heads and KV heads split over tp; HF's attenti
 head count from the projection width and keeps num_key_value_groups = H/KV), o_proj row-parallel.
 MLP: gate/up column-parallel, down row-parallel. Embedding and LM head vocabulary-parallel (tied
 weights stay tied). Under split_gather the decoder norms work on sequence shards.
+Dropout: attention (this rank's heads) on the per-tp-rank RNG stream; under sequence parallelism
+the whole decoder layers and the final norm too (sequence shards); see megalith.tensor_parallel.rng.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ DECODER_PLAN = TensorParallelPlan(
         "model.layers.*.post_attention_layernorm",
         "model.norm",
     ),
+    # dropout on sequence shards under SP: the decoder layers and the final norm draw per-rank masks
+    sequence_rng=("model.layers.*", "model.norm"),
 )
 
 LLAMA = Policy(name="llama", model_classes=("LlamaForCausalLM",), plan=DECODER_PLAN)

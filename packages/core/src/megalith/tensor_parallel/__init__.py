@@ -1,7 +1,8 @@
 """Tensor and sequence parallelism applied from outside the model (layer 5).
 
 Megatron-style column/row-parallel linears, vocabulary-parallel embedding / LM head /
-cross-entropy, sequence parallelism (Megatron-SP `split_gather`, Ulysses `all_to_all`) and
+cross-entropy, sequence parallelism (Megatron-SP `split_gather`, Ulysses `all_to_all`), the dropout RNG tracker
+(`rng.py`: per-tp-rank streams in sharded regions) and
 `apply_tensor_parallel(model, plan, group)` that swaps modules by name pattern.
 """
 
@@ -10,12 +11,14 @@ from megalith.tensor_parallel.apply import (
     TensorParallelInfo,
     TensorParallelPlan,
     apply_tensor_parallel,
+    rank_rng_patterns,
     resolve_plan,
     validate_plan,
 )
 from megalith.tensor_parallel.checkpoint import (
     ShardedPieceReader,
     full_model_pieces,
+    full_shapes,
     full_state_dict,
     gather_optimizer_pieces,
     load_full_pieces,
@@ -31,6 +34,7 @@ from megalith.tensor_parallel.comm import (
     split_sequence,
 )
 from megalith.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, ShardSpec, shard_spec
+from megalith.tensor_parallel.rng import TensorParallelRNG, attach_rank_rng, seed_tensor_parallel_rng
 from megalith.tensor_parallel.sequence import SEQUENCE_MODES, check_sequence_length, sequence_sharded_lm_loss
 from megalith.tensor_parallel.vocab import (
     VocabParallelEmbedding,
@@ -48,14 +52,17 @@ __all__ = [
     "ShardedPieceReader",
     "TensorParallelInfo",
     "TensorParallelPlan",
+    "TensorParallelRNG",
     "VocabParallelEmbedding",
     "VocabParallelLMHead",
     "all_to_all",
     "apply_tensor_parallel",
+    "attach_rank_rng",
     "causal_lm_loss",
     "check_sequence_length",
     "copy_to_tp",
     "full_model_pieces",
+    "full_shapes",
     "full_state_dict",
     "gather_from_tp",
     "gather_optimizer_pieces",
@@ -63,8 +70,10 @@ __all__ = [
     "load_full_pieces",
     "reduce_from_tp",
     "reduce_scatter_sequence",
+    "rank_rng_patterns",
     "resolve_plan",
     "scatter_to_tp",
+    "seed_tensor_parallel_rng",
     "sequence_sharded_lm_loss",
     "shard_spec",
     "split_sequence",

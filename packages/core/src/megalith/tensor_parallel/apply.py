@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 
 import torch
@@ -23,6 +23,7 @@ from torch import nn
 from megalith.common.errors import ConfigError
 from megalith.tensor_parallel.comm import Group, group_size
 from megalith.tensor_parallel.layers import ColumnParallelLinear, InputOp, RowParallelLinear, shard_spec
+from megalith.tensor_parallel.rng import TensorParallelRNG, attach_rank_rng, seed_tensor_parallel_rng
 from megalith.tensor_parallel.sequence import (
     SEQUENCE_MODES,
     add_ulysses,
@@ -52,7 +53,11 @@ class TensorParallelPlan:
     the sequence all-gather under split_gather), attention blocks get the Ulysses exchange (all_to_all); `sequence_start` is the module whose input is split
     into sequence shards (the first decoder layer); `sequence_norms` are the replicated modules
     working on shards, whose gradients are summed over the group. `gather_logits` all-gathers the
-    vocabulary-parallel logits (for `generate`; the model's own loss is then used)."""
+    vocabulary-parallel logits (for `generate`; the model's own loss is then used).
+    Dropout (megalith.tensor_parallel.rng): `rank_rng` are the modules whose activations are
+    tp-sharded in every mode (default: the attention modules: this rank's heads), `sequence_rng`
+    the modules working on sequence shards under sequence parallelism (default: `sequence_norms`);
+    both draw from the per-tp-rank stream, everything else from the stream shared by the tp group."""
 
     layers: Mapping[str, str]
     fused: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
@@ -66,6 +71,8 @@ class TensorParallelPlan:
     num_kv_heads: int | None = None
     hidden_size: int | None = None
     gather_logits: bool = False
+    rank_rng: tuple[str, ...] = ()
+    sequence_rng: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         bad = {p: s for p, s in self.layers.items() if s not in STYLES}
@@ -84,6 +91,7 @@ class TensorParallelInfo:
     sequence_mode: str
     sharded: frozenset[str]
     partial: frozenset[str]
+    rng: TensorParallelRNG | None = None
 
 
 def _matches(model: nn.Module, pattern: str) -> list[str]:
@@ -118,7 +126,10 @@ def validate_plan(
         raise ConfigError(f"sp_mode must be one of {SEQUENCE_MODES}, got {sequence_mode!r}")
     for what, n in (("attention heads", plan.num_heads), ("key/value heads", plan.num_kv_heads)):
         if n is not None and n % size:
-            raise ConfigError(f"{what} = {n} is not divisible by the tensor-parallel size tp = {size}")
+            raise ConfigError(
+                f"{what} = {n} is not divisible by the tensor-parallel size tp = {size} (each tp rank "
+                f"holds whole heads; key/value heads are not replicated: use a tp that divides {n})"
+            )
     if sequence_mode == "all_to_all" and plan.hidden_size is not None and plan.hidden_size % size:
         raise ConfigError(
             f"hidden size {plan.hidden_size} is not divisible by the sequence-parallel size {size}"
@@ -207,8 +218,23 @@ def apply_tensor_parallel(
     if sequence_mode != "none" and size > 1:
         check_sequence_at_entry(model, size)
     if sequence_mode == "all_to_all":
-        return _apply_ulysses(model, plan, group)
-    return _apply_megatron(model, plan, styles, group, sequence_mode == "split_gather" and size > 1)
+        info = _apply_ulysses(model, plan, group)
+    else:
+        info = _apply_megatron(model, plan, styles, group, sequence_mode == "split_gather" and size > 1)
+    if size == 1:
+        return info
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    rng = seed_tensor_parallel_rng(group, device)
+    attach_rank_rng(model, rank_rng_patterns(plan, info.sequence_mode), rng)
+    return replace(info, rng=rng)
+
+
+def rank_rng_patterns(plan: TensorParallelPlan, sequence_mode: str) -> tuple[str, ...]:
+    """Module patterns whose dropout must differ per tp rank (see `TensorParallelPlan`)."""
+    patterns = plan.rank_rng or ((plan.attention,) if plan.attention else ())
+    if sequence_mode != "none":
+        patterns += plan.sequence_rng or plan.sequence_norms
+    return patterns
 
 
 def _apply_ulysses(model: nn.Module, plan: TensorParallelPlan, group: Group) -> TensorParallelInfo:

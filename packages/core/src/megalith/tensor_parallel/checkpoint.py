@@ -57,6 +57,16 @@ def full_state_dict(model: nn.Module, group: Group) -> dict[str, torch.Tensor]:
     return out
 
 
+def full_shapes(model: nn.Module) -> dict[str, tuple[list[int], str]]:
+    """(full shape, dtype) per state-dict entry: a tp block reports the shape of the tensor it is a
+    block of (unpadded), so a sharded checkpoint's meta.json describes the HF tensors."""
+    out: dict[str, tuple[list[int], str]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        spec = shard_spec(t)
+        out[name] = (list(spec.full_shape if spec is not None else t.shape), str(t.dtype))
+    return out
+
+
 def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()

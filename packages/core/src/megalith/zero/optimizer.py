@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalith.distributed import all_gather_flat, reduce_scatter_flat
+from megalith.distributed import all_gather_flat, comm_device, reduce_scatter_flat
 from megalith.optim import BoostedOptimizer, DynamicLossScaler, PieceRef
 from megalith.zero.buckets import FlatBucket, make_buckets
 from megalith.zero.config import ZeroConfig
@@ -173,7 +173,11 @@ class ZeroOptimizer(BoostedOptimizer):
         """Parameters that got no gradient on any rank must not move (as with a plain torch optimizer,
         which skips `grad is None`): stash their master and state pieces to restore after the step."""
         slots = [s for b in self.buckets for s in b]
-        flags = torch.tensor([id(s.param) in self._got_grad for s in slots], dtype=torch.uint8)
+        flags = torch.tensor(
+            [id(s.param) in self._got_grad for s in slots],
+            dtype=torch.uint8,
+            device=comm_device(self.dp_group),
+        )
         if dist.is_initialized() and self.dp_size > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.dp_group)
         unused = {s.name for s, f in zip(slots, flags.tolist(), strict=True) if not f}

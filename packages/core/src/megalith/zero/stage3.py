@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalith.distributed import Handle, all_gather_flat, reduce_scatter_flat
+from megalith.distributed import Handle, all_gather_flat, comm_device, reduce_scatter_flat
 from megalith.zero.stage3_layout import FROZEN, Segment, Slot, Unit, alloc_storage, free_storage
 
 logger = logging.getLogger(__name__)
@@ -223,7 +223,7 @@ class ParamSharder:
             float(u.index not in self._reduced and any(s.grad_acc is not None for s in u.segments))
             for u in self.units
         ]
-        flags = torch.tensor(todo, dtype=torch.float32)
+        flags = torch.tensor(todo, dtype=torch.float32, device=comm_device(self.dp_group))
         if self.dp_size > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.dp_group)
         for unit, flag in zip(self.units, flags.tolist(), strict=True):

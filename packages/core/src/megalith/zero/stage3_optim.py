@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalith.distributed import comm_device
 from megalith.optim import BoostedOptimizer, DynamicLossScaler, PieceRef
 from megalith.zero.config import ZeroConfig
 from megalith.zero.stage3 import ParamSharder
@@ -153,7 +154,11 @@ class Zero3Optimizer(BoostedOptimizer):
     def _before_inner_step(self) -> Any:
         """Parameters no rank saw a gradient for must not move (a torch optimizer skips grad=None)."""
         slots = [s for seg in self.segments for s in seg.slots]
-        flags = torch.tensor([s.name in self.sharder.got_grad for s in slots], dtype=torch.uint8)
+        flags = torch.tensor(
+            [s.name in self.sharder.got_grad for s in slots],
+            dtype=torch.uint8,
+            device=comm_device(self.dp_group),
+        )
         if dist.is_initialized() and self.sharder.dp_size > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.dp_group)
         unused = {s.name for s, f in zip(slots, flags.tolist(), strict=True) if not f}

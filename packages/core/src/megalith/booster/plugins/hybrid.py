@@ -29,8 +29,10 @@ import torch.distributed as dist
 from torch import nn
 
 from megalith.booster.optim_state import _meta
+from megalith.booster.plugins import hybrid_pp
 from megalith.booster.plugins.base import Boosted, MemoryPlan, Plugin, fp32_snapshot
 from megalith.booster.plugins.hybrid_optim import TPReplicatedOptimizer, TPZeroOptimizer, load_pieces
+from megalith.booster.plugins.hybrid_plan import hybrid_memory_plan, local_parameter_counts
 from megalith.booster.plugins.registry import register_plugin
 from megalith.booster.precision import Precision
 from megalith.checkpoint import (
@@ -52,6 +54,7 @@ from megalith.tensor_parallel import (
     TensorParallelPlan,
     apply_tensor_parallel,
     full_model_pieces,
+    full_shapes,
     full_state_dict,
     gather_optimizer_pieces,
     load_full_pieces,
@@ -76,8 +79,16 @@ class HybridConfig:
     zero_stage: int = 0
     bucket_size_mb: float = 25.0
     policy: Policy | TensorParallelPlan | None = None
+    # pipeline parallelism (booster/plugins/hybrid_pp.py): stages over pp ranks, `execute_pipeline`
+    pp_size: int = 1
+    pp_schedule: str = "1f1b"
+    num_microbatches: int | None = None
+    num_model_chunks: int = 1
+    layers_per_stage: tuple[int, ...] | None = None
+    checkpoint_ratio: float = 0.0
 
     def __post_init__(self) -> None:
+        hybrid_pp.check_options(self)
         if self.tp_size < 1:
             raise ConfigError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.sp_mode not in SEQUENCE_MODES:
@@ -90,6 +101,8 @@ class HybridPlugin(Plugin):
     """TP/SP over the tp axis composed with DDP-style all-reduce or ZeRO-1/2 over the dp axis.
 
     `HybridPlugin(tp_size=2, sp_mode="split_gather", zero_stage=2)` or `HybridPlugin(config=...)`.
+    With `pp_size > 1` the model is also split into pipeline stages (hybrid_pp.py) and trained with
+    `booster.execute_pipeline(data_iter, model, criterion, optimizer)`.
     """
 
     name = "hybrid"
@@ -110,6 +123,11 @@ class HybridPlugin(Plugin):
         self._mesh_built = False
         self.info: TensorParallelInfo | None = None
         self._params: dict[str, nn.Parameter] = {}
+        self.pp_group: Group = None
+        self.mesh: Any = None
+        self.pipeline: hybrid_pp.PipelineState | None = None
+        if self.config.pp_size > 1:
+            self.name += f"_pp{self.config.pp_size}_{self.config.pp_schedule}"
 
     def plan_for(self, model: nn.Module) -> TensorParallelPlan:
         policy = self.config.policy
@@ -121,7 +139,7 @@ class HybridPlugin(Plugin):
     def configure(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, precision: Precision
     ) -> Boosted:
-        dims = ParallelDims(world_size(), tp=self.config.tp_size)
+        dims = ParallelDims(world_size(), tp=self.config.tp_size, pp=self.config.pp_size)
         plan = self.plan_for(model)
         validate_plan(model, plan, dims.tp, self.config.sp_mode)  # before any weight moves
         if optimizer is not None and len(optimizer.state):
@@ -131,6 +149,8 @@ class HybridPlugin(Plugin):
         if dist.is_initialized() and dims.world_size > 1:
             _broadcast_from_rank0(model)  # every tp rank shards the same full weights
         self.info = apply_tensor_parallel(model, plan, self.tp_group, self.config.sp_mode)
+        if self.config.pp_size > 1:
+            return hybrid_pp.configure_pipeline(self, model, optimizer, precision, old_names)
         if optimizer is None:
             return Boosted(model, None)
         names = named_parameter_map(model)
@@ -162,8 +182,9 @@ class HybridPlugin(Plugin):
         `prepare_dataloader` asks for the dp size)."""
         if self._mesh_built or not dist.is_initialized() or dist.get_world_size() == 1:
             return
-        mesh = build_mesh(ParallelDims(dist.get_world_size(), tp=self.config.tp_size))
+        mesh = build_mesh(ParallelDims(dist.get_world_size(), tp=self.config.tp_size, pp=self.config.pp_size))
         self.tp_group, self._dp_group = axis_group(mesh, "tp"), axis_group(mesh, "dp")
+        self.pp_group, self.mesh = axis_group(mesh, "pp"), mesh
         self._mesh_built = True
 
     @property
@@ -174,8 +195,8 @@ class HybridPlugin(Plugin):
     def memory_plan(
         self, num_params: int, num_trainable: int, world_size: int, precision: Precision
     ) -> MemoryPlan:
-        """Approximation: every parameter sharded over tp (replicated norms are a rounding error),
-        then the ZeRO / DDP formulas over dp = world / tp."""
+        """Approximation from counts alone (every parameter sharded over tp); `plan(model, ...)` uses
+        `model_memory_plan`, which counts replicated parameters at full size."""
         tp = self.config.tp_size
         dims = ParallelDims(world_size, tp=tp)
         b, phi, psi = precision.param_bytes, num_params // tp, num_trainable // tp
@@ -187,11 +208,25 @@ class HybridPlugin(Plugin):
             self.name, precision.name, world_size, num_params, num_trainable, b * phi, grads, states
         )
 
+    def model_memory_plan(self, model: nn.Module, world_size: int, precision: Precision) -> MemoryPlan:
+        """Per-rank bytes with each parameter counted as one tp rank holds it (booster/plugins/hybrid_plan.py):
+        norms, row-parallel biases and everything under all_to_all at full size, vocabulary padded."""
+        ParallelDims(world_size, tp=self.config.tp_size, pp=self.config.pp_size)  # the size checks first
+        counts = local_parameter_counts(model, self.plan_for(model), self.config.tp_size, self.config.sp_mode)
+        if self.config.pp_size > 1:  # stages split the layers: the count-based formula above
+            return self.memory_plan(counts[2], counts[3], world_size, precision)
+        return hybrid_memory_plan(
+            self.name, counts, self.config.tp_size, self.config.zero_stage, world_size, precision
+        )
+
     # -- checkpoints (collective: every rank calls them) ------------------------------------------
     sharded_params = True  # tp shards: a checkpoint needs the full tensors of `export_state`
 
     def export_state(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) per state-dict entry, tied parameters once (collective over tp)."""
+        if self.pipeline is not None:  # collective over pp too: full-model names and order
+            yield from hybrid_pp.export_state(self, model)
+            return
         seen: set[int] = set()
         for name, t in full_state_dict(model, self.tp_group).items():
             if id(t) not in seen:
@@ -200,10 +235,20 @@ class HybridPlugin(Plugin):
 
     def model_pieces(self, model: nn.Module) -> list[tuple[str, int, int, torch.Tensor]]:
         """Full-tensor pieces for `booster.save_state` (each tensor written by one rank)."""
+        if self.pipeline is not None:
+            return hybrid_pp.model_pieces(self, model)
         return full_model_pieces(model, self.tp_group, rank(), world_size())
+
+    def model_shapes(self, model: nn.Module) -> dict[str, tuple[list[int], str]]:
+        """Full (not tp-local) shapes for the sharded checkpoint's meta.json (`export_hf`, resume)."""
+        if self.pipeline is not None:  # every stage's tensors, not only this rank's
+            return hybrid_pp.model_shapes(self)
+        return full_shapes(model)
 
     def load_model_pieces(self, model: nn.Module, optimizer: BoostedOptimizer | None, reader: Any) -> None:
         """`booster.load_model`: every rank slices its tp blocks out of the full tensors."""
+        if self.pipeline is not None:
+            return hybrid_pp.load_model_pieces(self, model, optimizer, reader)
         load_full_pieces(model, reader)
         if optimizer is not None:
             optimizer.load_masters_from_model()
@@ -211,6 +256,8 @@ class HybridPlugin(Plugin):
     def save_optimizer_state(self, optimizer: BoostedOptimizer, directory: Path) -> None:
         """Write optimizer pieces of *full* parameters (one writer per parameter) plus meta.json
         into `directory` (collective; the booster's generic writer would store tp blocks)."""
+        if self.pipeline is not None:
+            return hybrid_pp.save_optimizer_state(self, optimizer, directory, rank())
         pieces = gather_optimizer_pieces(
             optimizer,
             self._params,
@@ -223,6 +270,17 @@ class HybridPlugin(Plugin):
         write_pieces(directory, rank(), pieces)
         if rank() == 0:
             write_meta(directory, _meta(optimizer))
+
+    def execute_pipeline(
+        self,
+        data_iter: Iterator[Any],
+        model: nn.Module,
+        criterion: Any = None,
+        optimizer: BoostedOptimizer | None = None,
+        return_loss: bool = True,
+    ) -> dict[str, Any]:
+        """One step's forward + backward of `next(data_iter)` through the pipeline (pp_size > 1)."""
+        return hybrid_pp.execute_pipeline(self, data_iter, model, criterion, optimizer, return_loss)
 
     def load_optimizer_state(self, optimizer: BoostedOptimizer, directory: Path) -> None:
         """Read a piece checkpoint of any layout (any tp × dp, DDP, ZeRO, one process)."""

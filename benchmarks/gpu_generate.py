@@ -1,0 +1,437 @@
+"""Rollout generation speed: megalith's fast engine vs HF ``generate`` (default and static cache).
+
+Model: a randomly initialised Llama of the 0.37B shape (hidden 1024, intermediate 2816, 24 layers,
+16 heads = 16 KV heads, vocab 32000, untied head) in bfloat16; prompts of 128 random tokens, 256
+new tokens, sampling at temperature 1 (no top-k/top-p), no EOS, so every row decodes all 256.
+Each system runs in its own process (``--worker``); the main process measures the copy bandwidth
+and writes ``benchmarks/results/gpu_generate_h200.json``.
+
+Memory-bound floor (new tokens/s): a decode step must read every weight that takes part in it
+(all but the embedding table, of which only ``B`` rows are read) plus the KV cache of the mean
+context ``P + N/2``; ``floor = B * bandwidth / bytes_per_step`` with the bandwidth of a large
+device-to-device copy (bytes read + written) measured in the same run.
+
+Also measured: a GRPO step (generate 8 prompts x G=8 -> policy-gradient update -> weight sync)
+with the fast engine vs HF generate, in one process each.
+
+    python benchmarks/gpu_generate.py                      # on a GPU machine
+    python benchmarks/gpu_generate.py --device cpu --tiny  # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import RESULTS, environment
+
+SYSTEMS = (
+    "fast",
+    "fast_sdpa",
+    "hf_static",
+    "hf_dynamic",
+    "grpo_fast",
+    "grpo_hf",
+    "fast_nocompile",
+    "fast_eager",
+)
+
+
+def model_config(tiny: bool) -> dict[str, Any]:
+    if tiny:
+        return dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=128,
+        )
+    return dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=32000,
+    )
+
+
+def build_model(args: argparse.Namespace) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        **model_config(args.tiny),
+        max_position_embeddings=1024,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        model = LlamaForCausalLM(cfg)
+    model = model.to(torch.bfloat16 if args.device == "cuda" else torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def prompts(args: argparse.Namespace, batch: int, vocab: int) -> tuple[Any, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(batch)
+    ids = torch.randint(1, vocab, (batch, args.prompt_len), generator=g)
+    return ids.to(args.device), torch.ones_like(ids).to(args.device)
+
+
+def timed(fn: Any, device: str, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def run_hf(args: argparse.Namespace, model: Any, batch: int, static: bool) -> dict[str, Any]:
+    ids, mask = prompts(args, batch, model.config.vocab_size)
+    kw: dict[str, Any] = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
+    if static:
+        kw["cache_implementation"] = "static"
+
+    def go(n: int) -> None:
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, **kw)
+
+    t0 = time.perf_counter()
+    go(args.new_tokens if static else 4)  # static: allocates the cache of the timed length
+    warm = time.perf_counter() - t0
+    seconds = timed(
+        lambda: go(args.new_tokens), args.device, 1 if args.device == "cuda" and not static else 2
+    )
+    return {
+        "batch": batch,
+        "seconds": seconds,
+        "warmup_s": warm,
+        "tokens_per_s": batch * args.new_tokens / seconds,
+    }
+
+
+def run_fast(args: argparse.Namespace, model: Any, batch: int, mode: str) -> dict[str, Any]:
+    from megalith_chat.engine.fast import FastEngine, FastEngineConfig
+    from megalith_chat.engine.sampling import SamplingParams
+
+    cfg = FastEngineConfig(
+        max_batch=batch,
+        max_len=args.prompt_len + args.new_tokens,
+        cuda_graphs=mode != "fast_eager",
+        compile_ops=mode in ("fast", "fast_sdpa"),
+        attention="sdpa" if mode == "fast_sdpa" else "auto",
+    )
+    engine = FastEngine(model, cfg, device=args.device)
+    ids, mask = prompts(args, batch, model.config.vocab_size)
+    params = SamplingParams(args.new_tokens, temperature=1.0)
+    t0 = time.perf_counter()
+    engine.generate(ids, mask, params)  # captures one graph per KV bucket (and compiles the ops)
+    warm = time.perf_counter() - t0
+    seconds = timed(lambda: engine.generate(ids, mask, params), args.device, 3)
+    out = {
+        "batch": batch,
+        "seconds": seconds,
+        "warmup_s": warm,
+        "tokens_per_s": batch * args.new_tokens / seconds,
+        "graphs": len(engine._graphs),
+        "compiled_ops": engine.compiled_ops,
+        "attention": engine.attention,
+    }
+    if batch == args.batches[0] and mode == "fast":
+        out["check"] = correctness(args, model, engine)
+    return out
+
+
+def correctness(args: argparse.Namespace, model: Any, engine: Any) -> dict[str, float]:
+    """Greedy agreement with HF generate and log-prob error vs a teacher-forced HF forward."""
+    import torch
+
+    from megalith_chat.engine.sampling import SamplingParams
+    from megalith_chat.rollout.generation import response_logprobs
+
+    ids, mask = prompts(args, 8, model.config.vocab_size)
+    n = min(32, args.new_tokens)
+    engine.reserve(8, ids.shape[1] + n)
+    ours = engine.generate(ids, mask, SamplingParams(n, greedy=True)).tokens
+    hf = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        pad_token_id=0,
+    )[:, ids.shape[1] :].cpu()
+    first_diff = (ours != hf).int().argmax(dim=1).float()
+    first_diff[(ours == hf).all(dim=1)] = n
+    sampled = engine.generate(ids, mask, SamplingParams(n, temperature=1.0))
+    with torch.no_grad():
+        ref = response_logprobs(
+            model, ids, mask, sampled.tokens.to(args.device), torch.ones_like(sampled.tokens).to(args.device)
+        )
+    err = (ref.float().cpu() - sampled.logprobs).abs()
+    return {
+        "greedy_tokens_equal_frac": float((ours == hf).float().mean()),
+        "greedy_first_diff_mean": float(first_diff.mean()),
+        "logprob_abs_err_max": float(err.max()),
+        "logprob_abs_err_mean": float(err.mean()),
+    }
+
+
+def run_grpo(args: argparse.Namespace, model: Any, fast: bool) -> dict[str, Any]:
+    """Steps of: sample 8 prompts x G=8 -> GRPO policy-gradient update (AdamW) -> weight sync."""
+    import torch
+
+    from megalith_chat.algorithms import grpo_advantages
+    from megalith_chat.engine.fast import FastEngine, FastEngineConfig
+    from megalith_chat.engine.sampling import SamplingParams
+    from megalith_chat.rollout.generation import response_logprobs
+
+    group, batch, new = 8, 64, args.grpo_new_tokens
+    ids, mask = prompts(args, batch // group, model.config.vocab_size)
+    ids, mask = ids.repeat_interleave(group, 0), mask.repeat_interleave(group, 0)
+    engine = (
+        FastEngine(
+            model, FastEngineConfig(max_batch=batch, max_len=args.prompt_len + new), device=args.device
+        )
+        if fast
+        else None
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=args.device == "cuda")
+    rows = []
+    for _ in range(args.grpo_steps + 1):
+        sync(args.device)
+        t0 = time.perf_counter()
+        if engine is not None:
+            resp = engine.generate(ids, mask, SamplingParams(new, temperature=1.0)).tokens.to(args.device)
+        else:
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=0,
+            )
+            resp = out[:, ids.shape[1] :]
+        sync(args.device)
+        t1 = time.perf_counter()
+        adv = grpo_advantages(torch.rand(batch), group).to(args.device)
+        rmask = torch.ones_like(resp)
+        model.train()
+        for lo in range(0, batch, 16):
+            logp = response_logprobs(
+                model, ids[lo : lo + 16], mask[lo : lo + 16], resp[lo : lo + 16], rmask[lo : lo + 16]
+            )
+            loss = -(adv[lo : lo + 16, None] * logp).sum() / rmask.sum()
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        model.eval()
+        sync(args.device)
+        t2 = time.perf_counter()
+        if engine is not None:
+            engine.update_weights(model)
+        sync(args.device)
+        rows.append(
+            {
+                "generate_s": t1 - t0,
+                "train_s": t2 - t1,
+                "sync_s": time.perf_counter() - t2,
+                "step_s": time.perf_counter() - t0,
+            }
+        )
+    steady = rows[1:]
+    mean = {k: sum(r[k] for r in steady) / len(steady) for k in steady[0]}
+    return {
+        "batch": batch,
+        "group": group,
+        "new_tokens": new,
+        "steps": len(steady),
+        **mean,
+        "first_step_s": rows[0]["step_s"],
+    }
+
+
+def worker(args: argparse.Namespace) -> None:
+    model = build_model(args)
+    name = args.worker
+    results: list[dict[str, Any]] = []
+    if name.startswith("grpo"):
+        results.append(run_grpo(args, model, name == "grpo_fast"))
+    else:
+        batches = args.batches[:1] if name in ("fast_nocompile", "fast_eager", "fast_sdpa") else args.batches
+        for b in batches:
+            if name.startswith("fast"):
+                results.append(run_fast(args, model, b, name))
+            else:
+                results.append(run_hf(args, model, b, static=name == "hf_static"))
+            print(f"{name} batch {b}: {results[-1]}", file=sys.stderr, flush=True)
+    print("RESULT " + json.dumps(results), flush=True)
+
+
+def copy_bandwidth(device: str, gib: float) -> float:
+    """Bytes read + written per second of a large device-to-device copy (best of 10)."""
+    import torch
+
+    n = int(gib * 2**30) // 4
+    src = torch.empty(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(timed(lambda: dst.copy_(src), device, 1) for _ in range(10))
+    return 2 * n * 4 / best
+
+
+def floor(args: argparse.Namespace, batch: int, bandwidth: float) -> dict[str, float]:
+    c = model_config(args.tiny)
+    h, inter, layers, vocab = (
+        c["hidden_size"],
+        c["intermediate_size"],
+        c["num_hidden_layers"],
+        c["vocab_size"],
+    )
+    head_dim = h // c["num_attention_heads"]
+    elem = 2 if args.device == "cuda" else 4
+    weights = (
+        layers * (2 * h * h + 2 * h * c["num_key_value_heads"] * head_dim + 3 * h * inter + 2 * h)
+        + h
+        + vocab * h
+    ) * elem
+    context = args.prompt_len + args.new_tokens / 2
+    kv = 2 * layers * batch * c["num_key_value_heads"] * head_dim * context * elem
+    step_s = (weights + kv) / bandwidth
+    return {"weights_bytes": weights, "kv_bytes_mean": kv, "floor_tokens_per_s": batch / step_s}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="where to run (default: cuda)")
+    p.add_argument("--tiny", action="store_true", help="tiny model and lengths (smoke test)")
+    p.add_argument("--batches", default=None, help="comma-separated batch sizes (default: 64,256; tiny: 2,4)")
+    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default: 128; tiny: 16)")
+    p.add_argument("--new-tokens", type=int, default=None, help="new tokens per row (default: 256; tiny: 16)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
+    p.add_argument(
+        "--grpo-steps", type=int, default=3, help="timed GRPO steps after one warm-up (default: 3)"
+    )
+    p.add_argument(
+        "--grpo-new-tokens", type=int, default=None, help="GRPO response length (default: 128; tiny: 8)"
+    )
+    p.add_argument(
+        "--worker-timeout", type=float, default=150, help="seconds per system process (default: 150)"
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="result JSON (default: benchmarks/results/gpu_generate_<h200|cpu_tiny>.json)",
+    )
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.batches = [int(b) for b in (args.batches or ("2,4" if args.tiny else "64,256")).split(",")]
+    args.prompt_len = args.prompt_len or (16 if args.tiny else 128)
+    args.new_tokens = args.new_tokens or (16 if args.tiny else 256)
+    args.grpo_new_tokens = args.grpo_new_tokens or (8 if args.tiny else 128)
+    if args.worker:
+        worker(args)
+        return
+    run_all(args)
+
+
+def run_all(args: argparse.Namespace) -> None:
+    out = (
+        Path(args.out)
+        if args.out
+        else RESULTS / ("gpu_generate_h200.json" if args.device == "cuda" else "gpu_generate_cpu_tiny.json")
+    )
+    bw = copy_bandwidth(args.device, 0.25 if args.tiny else 2.0)
+    payload: dict[str, Any] = {
+        "environment": environment(),
+        "model": model_config(args.tiny),
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "copy_bandwidth_Bps": bw,
+        "systems": {},
+        "errors": {},
+        "floor": {str(b): floor(args, b, bw) for b in args.batches},
+    }
+    forwarded = [
+        "--device",
+        args.device,
+        "--batches",
+        ",".join(map(str, args.batches)),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--new-tokens",
+        str(args.new_tokens),
+        "--grpo-steps",
+        str(args.grpo_steps),
+        "--grpo-new-tokens",
+        str(args.grpo_new_tokens),
+    ]
+    for name in args.systems.split(","):
+        cmd = [sys.executable, __file__, "--worker", name, *forwarded, *(["--tiny"] if args.tiny else [])]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout)
+        except subprocess.TimeoutExpired:
+            payload["errors"][name] = f"timed out after {args.worker_timeout} s"
+            continue
+        sys.stderr.write(proc.stderr[-3000:])
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            payload["errors"][name] = proc.stderr[-2000:]
+        else:
+            payload["systems"][name] = json.loads(lines[-1][7:])
+        summarise(payload)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(payload, indent=2, sort_keys=True))
+    print(json.dumps({k: payload[k] for k in ("summary",) if k in payload}, indent=2))
+    print(f"wrote {out}")
+
+
+def summarise(payload: dict[str, Any]) -> None:
+    """Per batch: tokens/s of every system, engine / HF-static ratio and engine / floor."""
+    summary: dict[str, Any] = {}
+    for name, rows in payload["systems"].items():
+        for row in rows:
+            if "tokens_per_s" in row:
+                summary.setdefault(str(row["batch"]), {})[name] = round(row["tokens_per_s"], 1)
+            else:
+                summary[name] = {k: round(v, 3) for k, v in row.items() if isinstance(v, float)}
+    for b, row in summary.items():
+        if b in payload["floor"] and "fast" in row:
+            row["floor"] = round(payload["floor"][b]["floor_tokens_per_s"], 1)
+            row["fast_over_floor"] = round(row["fast"] / row["floor"], 3)
+            if "hf_static" in row:
+                row["fast_over_hf_static"] = round(row["fast"] / row["hf_static"], 2)
+    payload["summary"] = summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""Training throughput of the 1.1B TinyLlama shape on one GPU: HF eager, HF + torch.compile,
+HF + Liger-Kernel, megalith (Booster: kernels=True, compile=True, ZeroPlugin(stage=2), bf16).
+
+Every system runs in a fresh subprocess (no cross-contamination of caches, compiled graphs or
+allocator state) on the same micro-batch (batch 8 × 2048, no accumulation), SDPA attention and a
+fused AdamW. MFU = tokens/s × (6·N_nonembed + 12·layers·hidden·seq) / 768e12, with N_nonembed all
+parameters but the input embedding (the untied LM head counts). Peers train in pure bf16 (bf16
+weights and AdamW states, torch AdamW(fused=True)); megalith keeps fp32 master weights and fp32
+AdamW states (its `precision="bf16"`) and steps them with `megalith.kernels.FusedAdamW`.
+
+    python benchmarks/gpu_train.py                       # GPU, writes results/gpu_train_h200.json
+    python benchmarks/gpu_train.py --device cpu --tiny   # smoke test (tiny shape, eager + megalith)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import environment, write_result
+
+PEAK_FLOPS = 768e12  # measured bf16 dense matmul ceiling of one H200 (see the project's issue)
+SYSTEMS = ("hf_eager", "hf_compile", "hf_liger", "megalith", "megalith_eager", "kernels_bf16")
+# megalith_eager: the Booster path without compile; kernels_bf16: megalith's kernel policy on the
+# peers' regime (pure bf16, torch fused AdamW, no Booster) - the like-for-like kernel comparison.
+TINYLLAMA = dict(
+    vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+    num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
+)  # fmt: skip
+TINY = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=64,
+)  # fmt: skip
+
+
+def build(system: str, args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, Any]:
+    """(model, step_fn, extra info) for one system."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if system == "hf_liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(
+            rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True
+        )
+    config = LlamaConfig(**(TINY if args.tiny else TINYLLAMA), attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with device:
+        model = LlamaForCausalLM(config)
+    if system.startswith("megalith"):
+        return _megalith(model, args, device, compile=system == "megalith" and device.type == "cuda")
+    model.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if system == "kernels_bf16":
+        from megalith.policies.kernels import apply_kernels
+
+        apply_kernels(model)
+    if system == "hf_compile":
+        model.compile()
+    fused = {"fused": True} if device.type == "cuda" else {}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, **fused)
+
+    def step(ids: torch.Tensor) -> float:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return model, step, {"optimizer": f"torch AdamW({'fused' if fused else 'foreach'})", "weights": "bf16"}
+
+
+def _megalith(
+    model: Any, args: argparse.Namespace, device: torch.device, compile: bool
+) -> tuple[Any, Any, Any]:
+    from megalith.booster import Booster
+    from megalith.booster.plugins import ZeroPlugin
+    from megalith.kernels import FusedAdamW
+
+    precision = "bf16" if device.type == "cuda" else "fp32"
+    booster = Booster(plugin=ZeroPlugin(stage=2), precision=precision, kernels=True, compile=compile)
+    opt = FusedAdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    model, opt, *_ = booster.boost(model, opt)
+
+    def step(ids: torch.Tensor) -> float:
+        loss = model(input_ids=ids, labels=ids).loss
+        booster.backward(loss, opt)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return model, step, {"optimizer": "megalith FusedAdamW", "weights": f"{precision} + fp32 masters"}
+
+
+def child(system: str, args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device)
+    model, step, info = build(system, args, device)
+    cfg = model.config
+    n_nonembed = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    flops_per_token = 6 * n_nonembed + 12 * cfg.num_hidden_layers * cfg.hidden_size * args.seq
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g).to(device) for _ in range(2)
+    ]
+    t0 = time.perf_counter()
+    for i in range(args.warmup):
+        step(batches[i % 2])
+    _sync(device)
+    warmup_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for i in range(args.steps):
+        loss = step(batches[i % 2])
+    _sync(device)
+    elapsed = time.perf_counter() - t0
+    tokens_per_s = args.batch * args.seq * args.steps / elapsed
+    if args.profile and device.type == "cuda":
+        _profile(step, batches[0])
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    return {
+        "name": system, "tokens_per_s": tokens_per_s, "step_s": elapsed / args.steps,
+        "mfu": tokens_per_s * flops_per_token / PEAK_FLOPS, "peak_mem_GiB": peak,
+        "final_loss": float(loss), "warmup_s": warmup_s, "n_nonembed": n_nonembed, **info,
+    }  # fmt: skip
+
+
+def _profile(step: Any, ids: torch.Tensor) -> None:
+    """Top GPU kernels of two steps (to stderr, which the parent shows)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step(ids)
+        torch.cuda.synchronize()
+    print(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60),
+        file=sys.stderr,
+    )
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def parent(args: argparse.Namespace) -> list[dict[str, Any]]:
+    systems = args.systems or (SYSTEMS if args.device == "cuda" else ("hf_eager", "megalith"))
+    rows = []
+    for system in systems:
+        cmd = [sys.executable, __file__, "--child", system, *_forward_args(args)]
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=args.timeout, env=os.environ.copy()
+        )
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode == 0 and lines:
+            row = json.loads(lines[-1][len("RESULT ") :])
+        else:
+            row = {"name": system, "error": (proc.stderr or proc.stdout)[-2000:]}
+        row["wall_s"] = time.perf_counter() - t0
+        if args.profile:
+            print(proc.stderr[-9000:], flush=True)
+        rows.append(row)
+        print(_fmt(row), flush=True)
+    return rows
+
+
+def _forward_args(args: argparse.Namespace) -> list[str]:
+    out = ["--device", args.device, "--batch", str(args.batch), "--seq", str(args.seq)]
+    out += ["--warmup", str(args.warmup), "--steps", str(args.steps)] + (
+        ["--profile"] if args.profile else []
+    )
+    return out + (["--tiny"] if args.tiny else [])
+
+
+def _fmt(row: dict[str, Any]) -> str:
+    if "error" in row:
+        return f"{row['name']:12s} FAILED: {row['error'].strip().splitlines()[-1] if row['error'].strip() else '?'}"
+    mem = f"{row['peak_mem_GiB']:.1f} GiB" if row["peak_mem_GiB"] is not None else "-"
+    return f"{row['name']:12s} {row['tokens_per_s']:10.0f} tok/s  MFU {row['mfu']:.3f}  peak {mem}  loss {row['final_loss']:.3f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu"
+    )
+    parser.add_argument(
+        "--tiny", action="store_true", help="tiny model (hidden 64, 2 layers) for smoke tests"
+    )
+    parser.add_argument("--batch", type=int, default=None, help="micro-batch size (default 8; tiny: 2)")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (default 2048; tiny: 32)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 4; tiny: 1)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10; tiny: 2)")
+    parser.add_argument("--systems", nargs="*", choices=SYSTEMS, help="subset of systems to run")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per system subprocess")
+    parser.add_argument("--profile", action="store_true", help="print each system's top GPU kernels")
+    parser.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help="result file name under benchmarks/results/")
+    args = parser.parse_args()
+    small = args.tiny
+    args.batch = args.batch or (2 if small else 8)
+    args.seq = args.seq or (32 if small else 2048)
+    args.warmup = args.warmup if args.warmup is not None else (1 if small else 4)
+    args.steps = args.steps or (2 if small else 10)
+    if args.child:
+        print("RESULT " + json.dumps(child(args.child, args)), flush=True)
+        return
+    rows = parent(args)
+    name = args.out or ("gpu_train_h200.json" if args.device == "cuda" else "gpu_train_cpu.json")
+    payload = {"batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
+               "peak_flops": PEAK_FLOPS, "systems": rows, "env": environment()}  # fmt: skip
+    print(f"wrote {write_result(name, payload)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,331 @@
+"""A fast rollout engine for HF Llama / Qwen2 / Mistral decoders: static KV cache + CUDA graphs.
+
+The engine copies the model's weights into its own fused storage (:mod:`.fast_weights`) and runs
+its own forward (:mod:`.fast_ops`, SDPA attention) against a preallocated cache
+
+    ``k_cache, v_cache : [layers, max_batch, kv_heads, max_len, head_dim]``.
+
+Prompts are left-padded to a common width ``P``; row ``r``'s prompt starts at ``start[r]``.
+
+* **prefill** (eager): one pass over ``[b, P]`` fills cache slots ``0 .. P-1`` and samples the
+  first token from the last position's logits;
+* **decode**: feeds the token at cache slot ``s`` (same slot for every row), writes its K/V there,
+  attends to slots ``start[r] .. s`` of the first ``Lb`` slots (``Lb`` = ``s + 1`` rounded up to
+  ``kv_block``), samples the next token, records it and its log-prob and advances ``s``. Every
+  input lives in a static buffer and the step advances its own counters, so on CUDA the step is
+  captured once per ``(batch bucket, Lb, top-k/p on/off)`` in a ``torch.cuda.CUDAGraph`` and
+  replayed; batch buckets are powers of two (padded with dummy rows). On CPU the same code runs
+  eagerly.
+* :meth:`FastEngine.update_weights` copies new weights into the existing storage (no re-capture).
+
+Log-probs are ``log softmax(logits / T)[y]`` (see :mod:`.sampling`), the convention of the GRPO
+trainer. Not thread-safe: one ``generate`` at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalith.common.errors import ConfigError
+from megalith_chat.engine import fast_ops
+from megalith_chat.engine.fast_attention import choose_attention, decode_attention
+from megalith_chat.engine.fast_state import DecodeState
+from megalith_chat.engine.fast_weights import EngineWeights, ModelShape, effective_weights, unwrap_peft
+from megalith_chat.engine.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SyncHook = Callable[[torch.Tensor], Sequence[int]]
+
+
+@dataclass(frozen=True)
+class FastEngineConfig:
+    """Sizes and switches; ``dtype=None`` means bfloat16 on CUDA and float32 on CPU.
+
+    ``cuda_graphs`` and ``compile_ops`` (``torch.compile`` of the elementwise pieces) apply on CUDA
+    only. ``sync_every``: decode steps between host checks (stop strings, all rows finished).
+    """
+
+    max_batch: int = 64
+    max_len: int = 1024
+    dtype: str | None = None
+    cuda_graphs: bool = True
+    compile_ops: bool = True
+    kv_block: int = 64
+    sync_every: int = 16
+    attention: str = "sdpa"  # decode attention: "sdpa", "triton" (split-KV kernel), "auto" = triton on CUDA
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1 or self.max_len < 2:
+            raise ConfigError(f"need max_batch >= 1 and max_len >= 2, got {self.max_batch}, {self.max_len}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.attention not in ("auto", "sdpa", "triton"):
+            raise ConfigError(f"attention must be auto, sdpa or triton, got {self.attention!r}")
+        if self.kv_block < 1 or self.sync_every < 1:
+            raise ConfigError(
+                f"need kv_block >= 1 and sync_every >= 1, got {self.kv_block}, {self.sync_every}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """``tokens``/``logprobs`` ``[B, R]`` on the CPU (``R`` = decode steps run, ``<= max_new_tokens``);
+    after a row finished (EOS or a stop the hook reported) its tokens are ``pad_id``, log-probs 0."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+
+
+class FastEngine:
+    """Static-cache, CUDA-graph decoder over a copy of an HF causal LM's weights (see module doc)."""
+
+    def __init__(self, model: nn.Module, config: FastEngineConfig | None = None, device: Any = None) -> None:
+        self.config = config or FastEngineConfig()
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        cuda = self.device.type == "cuda"
+        default = "bfloat16" if cuda else "float32"
+        self.dtype = DTYPES[self.config.dtype or default]
+        base = unwrap_peft(model)
+        self.shape = ModelShape.of(base)
+        self._rotary = base.model.rotary_emb
+        self.weights = EngineWeights(self.shape, self.device, self.dtype)
+        self.update_weights(model)
+        self.use_graphs = cuda and self.config.cuda_graphs
+        self.ops = fast_ops.Ops.make(cuda and self.config.compile_ops)
+        self.compiled_ops = cuda and self.config.compile_ops
+        self.attention = choose_attention(self.config.attention, self.device, self.shape.head_dim)
+        self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self._pool: Any = None
+        self.scale = self.shape.head_dim**-0.5
+        self.max_batch, self.max_len = 0, 0
+        self.reserve(self.config.max_batch, self.config.max_len)
+
+    # ---------------------------------------------------------------- storage
+    def reserve(self, max_batch: int, max_len: int) -> None:
+        """(Re)allocate the cache and buffers for at least ``max_batch`` rows of ``max_len`` slots.
+
+        Growing drops the captured graphs (they point at the old buffers).
+        """
+        if max_batch <= self.max_batch and max_len <= self.max_len:
+            return
+        s, kw = self.shape, {"device": self.device, "dtype": self.dtype}
+        self.max_batch, self.max_len = max(max_batch, self.max_batch), max(max_len, self.max_len)
+        self._graphs.clear()
+        self.k_cache = self.v_cache = torch.empty(0)  # free before allocating the larger cache
+        size = (s.layers, self.max_batch, s.kv_heads, self.max_len, s.head_dim)
+        self.k_cache = torch.zeros(size, **kw)  # type: ignore[arg-type]
+        self.v_cache = torch.zeros(size, **kw)  # type: ignore[arg-type]
+        where = next(self._rotary.buffers()).device
+        positions = torch.arange(self.max_len, device=where).unsqueeze(0)
+        cos, sin = self._rotary(torch.zeros(1, dtype=torch.float32, device=where), positions)
+        self._cos = cos[0].to(**kw)  # type: ignore[arg-type]  # [max_len, D]
+        self._sin = sin[0].to(**kw)  # type: ignore[arg-type]
+        self.state = DecodeState(self.max_batch, self.max_len, s.vocab, self.device)
+
+    @torch.no_grad()
+    def update_weights(
+        self, source: nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+    ) -> int:
+        """Copy new weights in place (a model, LoRA merged; a state dict; or ``(name, tensor)`` pairs).
+
+        Returns the number of tensors copied. Captured graphs stay valid: storage is reused.
+        """
+        named = effective_weights(source) if isinstance(source, nn.Module) else source
+        return self.weights.load(named)
+
+    # ---------------------------------------------------------------- forward
+    def _prefill(self, ids: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """Fill cache slots ``0..P-1`` of rows ``0..b-1``; returns last-position logits ``[b, V]``."""
+        w, s = self.weights, self.shape
+        b, p = ids.shape
+        ar = torch.arange(p, device=self.device)
+        pos = (ar.unsqueeze(0) - start.unsqueeze(1)).clamp(min=0)
+        cos, sin = self._cos[pos].unsqueeze(1), self._sin[pos].unsqueeze(1)  # [b, 1, P, D]
+        causal = ar.unsqueeze(1) >= ar.unsqueeze(0)  # [query, key]
+        allowed = (ar.unsqueeze(0) >= start.unsqueeze(1)).unsqueeze(1) | torch.eye(
+            p, dtype=torch.bool, device=self.device
+        )
+        mask = (causal.unsqueeze(0) & allowed).unsqueeze(1)  # pad queries attend to themselves only
+        x = w.embed[ids]
+        h = fast_ops.rms_norm(x, w.ln1[0], s.eps)
+        q_width, kv_width = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        for i in range(s.layers):
+            qkv = F.linear(h, w.wqkv[i], w.bqkv[i])
+            q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
+            q = fast_ops.rotate(q.view(b, p, s.heads, s.head_dim).transpose(1, 2), cos, sin)
+            k = fast_ops.rotate(k.view(b, p, s.kv_heads, s.head_dim).transpose(1, 2), cos, sin)
+            v = v.view(b, p, s.kv_heads, s.head_dim).transpose(1, 2)
+            self.k_cache[i, :b, :, :p] = k
+            self.v_cache[i, :b, :, :p] = v
+            group = s.heads // s.kv_heads
+            if group > 1:
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+            o = F.linear(attn.transpose(1, 2).reshape(b, p, q_width), w.wo[i], w.bo[i])
+            x, h = fast_ops.add_rms_norm(x, o, w.ln2[i], s.eps)
+            m = F.linear(fast_ops.silu_mul(F.linear(h, w.wgu[i])), w.wd[i])
+            x, h = fast_ops.add_rms_norm(x, m, w.ln1[i + 1] if i + 1 < s.layers else w.norm, s.eps)
+        return F.linear(h[:, -1], w.lm_head)
+
+    def _decode_body(self, b: int, kv_len: int, filtered: bool) -> None:
+        """One decode step over static buffers (the graph-captured unit; see module doc)."""
+        w, s, st, ops = self.weights, self.shape, self.state, self.ops
+        x, cos, sin, mask = ops.decode_prelude(
+            st.tok[:b], st.slot, st.start[:b], w.embed, self._cos, self._sin, st.arange[:kv_len]
+        )
+        h = ops.rms_norm(x, w.ln1[0], s.eps)
+        index = st.slot.view(1)
+        for i in range(s.layers):
+            q, k, v = ops.split_rope_decode(
+                F.linear(h, w.wqkv[i], w.bqkv[i]), cos, sin, s.kv_heads, s.head_dim
+            )
+            kc, vc = self.k_cache[i, :b], self.v_cache[i, :b]
+            kc.index_copy_(2, index, k)
+            vc.index_copy_(2, index, v)
+            if self.attention == "triton":
+                attn = decode_attention(
+                    q, kc[:, :, :kv_len], vc[:, :, :kv_len], st.start[:b], st.slot, self.scale
+                )
+            else:
+                attn = F.scaled_dot_product_attention(
+                    q, kc[:, :, :kv_len], vc[:, :, :kv_len], attn_mask=mask, scale=self.scale
+                )
+            x, h = ops.add_rms_norm(x, F.linear(attn.reshape(b, -1), w.wo[i], w.bo[i]), w.ln2[i], s.eps)
+            m = F.linear(ops.silu_mul(F.linear(h, w.wgu[i])), w.wd[i])
+            x, h = ops.add_rms_norm(x, m, w.ln1[i + 1] if i + 1 < s.layers else w.norm, s.eps)
+        self._emit(F.linear(h, w.lm_head), b, filtered)
+
+    def _emit(self, logits: torch.Tensor, b: int, filtered: bool) -> None:
+        """Sample, mask finished rows, record token + log-prob at column ``ridx``, advance counters."""
+        st = self.state
+        extra = (st.top_p[:b], st.top_k[:b]) if filtered else ()
+        tok, lp = self.ops.sample(logits, st.inv_t[:b], st.greedy[:b], st.noise[:b], *extra)
+        done = st.done[:b]
+        tok = torch.where(done, st.pad, tok)
+        lp = lp.masked_fill(done, 0.0)
+        done.logical_or_(torch.isin(tok, st.eos))
+        col = st.ridx.view(1)
+        st.out_tok[:b].index_copy_(1, col, tok.unsqueeze(1))
+        st.out_lp[:b].index_copy_(1, col, lp.unsqueeze(1))
+        st.tok[:b].copy_(tok)
+        st.slot.add_(1)
+        st.ridx.add_(1)
+
+    # ---------------------------------------------------------------- graphs
+    def _step(self, b: int, kv_len: int, filtered: bool) -> None:
+        if not self.use_graphs:
+            self._decode_body(b, kv_len, filtered)
+            return
+        key = (b, kv_len, filtered)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._capture(key)
+        graph.replay()
+
+    def _warm_up(self, key: tuple[int, int, bool]) -> None:
+        """Run the step once on a side stream (compiles the ops), then restore the counters."""
+        st = self.state
+        saved = [t.clone() for t in (st.tok, st.slot, st.ridx, st.done)]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(stream):
+                self._decode_body(*key)
+        except RuntimeError as exc:  # torch.compile failures surface as RuntimeError subclasses
+            if not self.compiled_ops:
+                raise
+            logger.warning("compiled engine ops failed (%s); falling back to eager ops", exc)
+            self.ops, self.compiled_ops = fast_ops.Ops.make(False), False
+            with torch.cuda.stream(stream):
+                self._decode_body(*key)
+        torch.cuda.current_stream().wait_stream(stream)
+        for dst, src in zip((st.tok, st.slot, st.ridx, st.done), saved):
+            dst.copy_(src)
+
+    def _capture(self, key: tuple[int, int, bool]) -> torch.cuda.CUDAGraph:
+        self._warm_up(key)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._decode_body(*key)
+        self._graphs[key] = graph
+        logger.debug("captured decode graph batch=%d kv_len=%d filtered=%s", *key)
+        return graph
+
+    def bucket(self, batch: int) -> int:
+        """Rows actually run for ``batch`` requests: the next power of two (capped) with graphs."""
+        if not self.use_graphs:
+            return batch
+        return min(1 << (batch - 1).bit_length(), self.max_batch)
+
+    # ---------------------------------------------------------------- generate
+    def _check(self, batch: int, width: int, params: SamplingParams) -> None:
+        if batch > self.max_batch:
+            raise ConfigError(f"batch of {batch} rows exceeds the engine's max_batch {self.max_batch}")
+        need = width + params.max_new_tokens
+        if need > self.max_len:
+            raise ConfigError(
+                f"prompt length {width} + max_new_tokens {params.max_new_tokens} = {need} exceeds max_len {self.max_len}"
+            )
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        params: SamplingParams,
+        eos_ids: Sequence[int] = (),
+        pad_id: int = 0,
+        generator: torch.Generator | None = None,
+        on_sync: SyncHook | None = None,
+    ) -> EngineOutput:
+        """Decode up to ``params.max_new_tokens`` tokens for left-padded ``prompt_ids [B, P]``.
+
+        ``generator`` (on the engine's device) drives the sampling noise. ``on_sync(tokens [B, n])``
+        (CPU tokens so far) is called every ``sync_every`` steps and returns rows to finish (stop
+        strings); rows also finish at any of ``eos_ids``; all finished ends the loop early.
+        """
+        batch, width = prompt_ids.shape
+        self._check(batch, width, params)
+        b = self.bucket(batch)
+        st = self.state
+        start = st.prepare(prompt_ids, prompt_mask, b, params, eos_ids, pad_id)
+        logits = self._prefill(st.prompt_rows(prompt_ids, b, pad_id), start)
+        st.slot.fill_(width - 1)
+        sampling = not params.greedy
+        if sampling:
+            st.noise[:b].exponential_(generator=generator)
+        self._emit(logits, b, params.filtered)
+        steps = params.max_new_tokens
+        watch = bool(eos_ids) or on_sync is not None
+        for k in range(1, params.max_new_tokens):
+            if sampling:
+                st.noise[:b].exponential_(generator=generator)
+            kv_len = min(-(-(width + k) // self.config.kv_block) * self.config.kv_block, self.max_len)
+            self._step(b, kv_len, params.filtered)
+            if watch and (k % self.config.sync_every == 0) and self._all_done(batch, k + 1, on_sync):
+                steps = k + 1
+                break
+        if on_sync is not None:
+            self._all_done(batch, steps, on_sync)
+        # copy=True: on a CPU engine .cpu() would alias the buffers the next call overwrites
+        tokens = st.out_tok[:batch, :steps].to("cpu", copy=True)
+        return EngineOutput(tokens, st.out_lp[:batch, :steps].to("cpu", torch.float32, copy=True))
+
+    def _all_done(self, batch: int, steps: int, on_sync: SyncHook | None) -> bool:
+        st = self.state
+        if on_sync is not None:
+            rows = list(on_sync(st.out_tok[:batch, :steps].cpu()))
+            if rows:
+                st.done[torch.tensor(rows, device=self.device)] = True
+        return bool(st.done[:batch].all())

@@ -1,0 +1,183 @@
+"""Split-KV decode attention in Triton ("flash-decoding", Dao et al. 2023) for the fast engine.
+
+One query token per row attends to its cache slots ``start[r] <= j <= slot`` among the first
+``Lb`` slots of ``k, v : [b, KV, T, D]`` (a strided view of the static cache). The ``G = H / KV``
+query heads of a key/value head are processed together (``q : [b, KV, G, D]``), so each key is
+read once per group. Pass 1 (grid ``b*KV x S``) computes, per split ``s`` of the key range, the
+online-softmax partials ``m_s = max_j z_j``, ``l_s = sum_j exp(z_j - m_s)``,
+``a_s = sum_j exp(z_j - m_s) v_j`` with ``z_j = scale * q.k_j`` (float32); pass 2 combines them:
+``out = sum_s e^{m_s - M} a_s / sum_s e^{m_s - M} l_s``, ``M = max_s m_s``.
+
+Kernels are built lazily by :func:`make_kernels` (``TRITON_INTERPRET=1`` then runs them on the
+CPU, which is how the tests check them); :func:`decode_attention` is the entry point.
+"""
+
+# ruff: noqa: PLR0913  (Triton kernels take their pointers, strides and sizes as arguments)
+from __future__ import annotations
+
+import logging
+from functools import cache
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+BLOCK_N = 64
+
+
+def make_kernels() -> tuple[Any, Any]:
+    """Fresh ``(partial, combine)`` Triton kernels (reads ``TRITON_INTERPRET`` now)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def partial(q_ptr, k_ptr, v_ptr, start_ptr, slot_ptr, m_ptr, l_ptr, a_ptr,
+                sk_b, sk_h, sk_t, kv_heads, kv_len, split_len, num_splits, scale,
+                G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+        bh = tl.program_id(0)
+        sp = tl.program_id(1)
+        b = bh // kv_heads
+        h = bh % kv_heads
+        first = tl.load(start_ptr + b)
+        last = tl.load(slot_ptr)
+        g = tl.arange(0, BG)
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + (bh * G + g[:, None]) * D + d[None, :], mask=g[:, None] < G, other=0.0).to(
+            tl.float32
+        )
+        m_i = tl.full([BG], -1e30, tl.float32)
+        l_i = tl.zeros([BG], tl.float32)
+        acc = tl.zeros([BG, D], tl.float32)
+        base = b * sk_b + h * sk_h
+        lo = sp * split_len
+        for n0 in range(lo, tl.minimum(lo + split_len, kv_len), BN):
+            n = n0 + tl.arange(0, BN)
+            ok = (n >= first) & (n <= last) & (n < kv_len)
+            offs = base + n[:, None] * sk_t + d[None, :]
+            k = tl.load(k_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+            z = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+            z = tl.where(ok[None, :], z, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(z, axis=1))
+            p = tl.exp(z - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m_i = m_new
+        row = (bh * num_splits + sp) * BG + g
+        tl.store(m_ptr + row, m_i)
+        tl.store(l_ptr + row, l_i)
+        tl.store(a_ptr + row[:, None] * D + d[None, :], acc)
+
+    @triton.jit
+    def combine(m_ptr, l_ptr, a_ptr, o_ptr, num_splits,
+                G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):  # fmt: skip
+        bh = tl.program_id(0)
+        s = tl.arange(0, BS)
+        g = tl.arange(0, BG)
+        d = tl.arange(0, D)
+        row = (bh * num_splits + s[:, None]) * BG + g[None, :]  # [BS, BG]
+        live = s[:, None] < num_splits
+        m = tl.load(m_ptr + row, mask=live, other=-1e30)
+        lsum = tl.load(l_ptr + row, mask=live, other=0.0)
+        a = tl.load(a_ptr + row[:, :, None] * D + d[None, None, :], mask=live[:, :, None], other=0.0)
+        top = tl.max(m, axis=0)
+        w = tl.exp(m - top[None, :])
+        den = tl.sum(w * lsum, axis=0)
+        out = tl.sum(w[:, :, None] * a, axis=0) / den[:, None]
+        tl.store(
+            o_ptr + (bh * G + g[:, None]) * D + d[None, :],
+            out.to(o_ptr.dtype.element_ty),
+            mask=g[:, None] < G,
+        )
+
+    return partial, combine
+
+
+@cache
+def _kernels() -> tuple[Any, Any]:
+    return make_kernels()
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: torch.Tensor,
+    slot: torch.Tensor,
+    scale: float,
+    kernels: tuple[Any, Any] | None = None,
+    target_programs: int = 512,
+) -> torch.Tensor:
+    """``q [b, KV, G, D]`` (contiguous), ``k, v [b, KV, >=kv_len, D]`` (last dim contiguous, same
+    strides), ``start [b]``, ``slot`` 0-d -> ``[b, KV, G, D]`` attention output (see module doc)."""
+    import triton
+
+    partial, combine = kernels or _kernels()
+    b, kv_heads, group, dim = q.shape
+    kv_len = k.shape[2]
+    splits = max(1, min(triton.cdiv(kv_len, BLOCK_N), triton.cdiv(target_programs, b * kv_heads)))
+    split_len = triton.cdiv(triton.cdiv(kv_len, splits), BLOCK_N) * BLOCK_N
+    splits = triton.cdiv(kv_len, split_len)
+    bg = max(triton.next_power_of_2(group), 2)
+    m = torch.empty(b * kv_heads * splits * bg, device=q.device, dtype=torch.float32)
+    lsum = torch.empty_like(m)
+    acc = torch.empty(b * kv_heads * splits * bg, dim, device=q.device, dtype=torch.float32)
+    out = torch.empty_like(q)
+    sk = k.stride()
+    partial[(b * kv_heads, splits)](
+        q, k, v, start, slot, m, lsum, acc, sk[0], sk[1], sk[2], kv_heads, kv_len, split_len, splits, scale,
+        G=group, BG=bg, D=dim, BN=BLOCK_N,
+    )  # fmt: skip
+    combine[(b * kv_heads,)](
+        m, lsum, acc, out, splits, G=group, BG=bg, D=dim, BS=max(triton.next_power_of_2(splits), 2)
+    )
+    return out
+
+
+def choose_attention(requested: str, device: torch.device, head_dim: int) -> str:
+    """``"triton"`` if requested (or ``"auto"``) and it works here, else ``"sdpa"``.
+
+    ``"auto"`` uses the kernel on CUDA when ``head_dim`` is a power of two and a self-check against
+    SDPA on random data passes; an explicit ``"triton"`` that fails the check raises.
+    """
+    if requested == "sdpa" or (requested == "auto" and (device.type != "cuda" or head_dim & (head_dim - 1))):
+        return "sdpa"
+    error = _self_check(device, head_dim)
+    if error is None:
+        return "triton"
+    if requested == "triton":
+        from megalith.common.errors import ConfigError
+
+        raise ConfigError(f"the Triton decode-attention kernel is unusable here: {error}")
+    logger.warning("Triton decode attention unusable (%s); using SDPA", error)
+    return "sdpa"
+
+
+def _self_check(device: torch.device, head_dim: int) -> str | None:
+    """None if the kernel matches SDPA (fp32, 1e-4) on a small random problem, else why not."""
+    try:
+        import triton
+
+        errors: tuple[type[BaseException], ...] = (
+            RuntimeError,
+            ImportError,
+            ValueError,
+            getattr(triton, "TritonError", RuntimeError),
+        )
+    except ImportError as exc:
+        return repr(exc)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 2, s, head_dim, generator=gen)[0].to(device) for s in (2, 70, 70))
+    start, slot = torch.tensor([0, 9], device=device), torch.tensor(60, device=device)
+    try:
+        out = decode_attention(q, k, v, start, slot, 0.125)
+    except errors as exc:
+        return repr(exc)
+    ar = torch.arange(70, device=device)
+    mask = ((ar >= start[:, None]) & (ar <= slot))[:, None, None]
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125)
+    err = float((out - ref).abs().max())
+    return None if err < 1e-4 else f"max abs error {err:.2e} against SDPA"

@@ -1,0 +1,151 @@
+"""Launch wrappers of the Triton kernels (same signatures as `ops_torch`). `_tl` (and with it
+Triton) is imported on first use only."""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+
+import torch
+
+from megalith.kernels.registry import interpret_mode, register_kernel
+
+
+def _tl() -> ModuleType:
+    from megalith.kernels import _tl as module
+
+    return module
+
+
+def _programs(rows: int, device: torch.device) -> int:
+    """Programs for row-loop kernels: a few per SM on a GPU, a handful in the interpreter."""
+    if device.type == "cuda":
+        return min(rows, 2 * torch.cuda.get_device_properties(device).multi_processor_count)
+    return min(rows, 4)
+
+
+def _rows_per_tile(block: int) -> int:
+    """Rows per RMSNorm tile: ~8k elements per program on a GPU (more bytes in flight per SM)."""
+    return max(1, min(16, (1024 if interpret_mode() else 8192) // block))
+
+
+@register_kernel("rms_norm_fwd", "triton")
+def rms_norm_fwd(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    tl_ = _tl()
+    m, n = x.shape
+    y = torch.empty_like(x)
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    block = tl_.block_for(n)
+    bm = _rows_per_tile(block)
+    if m:
+        tl_.rms_fwd_kernel[(-(-m // bm),)](
+            x, w, y, rstd, x.stride(0), y.stride(0), m, n, eps, BLOCK_M=bm, BLOCK=block,
+            num_warps=tl_.warps_for(bm * block),
+        )  # fmt: skip
+    return y, rstd
+
+
+@register_kernel("rms_norm_bwd", "triton")
+def rms_norm_bwd(
+    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    tl_ = _tl()
+    m, n = x.shape
+    dx = torch.empty_like(x)
+    block = tl_.block_for(n)
+    bm = _rows_per_tile(block)
+    tiles = max(1, -(-m // bm))
+    per_prog = -(-tiles // max(1, _programs(tiles, x.device)))
+    progs = -(-tiles // per_prog)
+    partial = torch.zeros(progs, n, dtype=torch.float32, device=x.device)
+    if m:
+        tl_.rms_bwd_kernel[(progs,)](
+            dy, x, w, rstd, dx, partial, dy.stride(0), x.stride(0), dx.stride(0), m, n, per_prog,
+            BLOCK_M=bm, BLOCK=block, num_warps=tl_.warps_for(bm * block),
+        )  # fmt: skip
+    return dx, partial.sum(0).to(w.dtype)
+
+
+@register_kernel("rope", "triton")
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
+    tl_ = _tl()
+    b, h, s, d = x.shape
+    cos, sin = cos.expand(b, s, d), sin.expand(b, s, d)
+    if cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    y = torch.empty_like(x)
+    half = d // 2
+    hp, dp = tl_.block_for(h), tl_.block_for(half)
+    bs = min(tl_.block_for(s), max(1, (256 if interpret_mode() else 4096) // (hp * dp)))
+    if x.numel():
+        tl_.rope_kernel[(b * (-(-s // bs)),)](
+            x, cos, sin, y, s, h, *x.stride(), *y.stride(), *cos.stride(),
+            HALF=half, BS=bs, HP=hp, DP=dp, BACKWARD=backward, num_warps=4 if bs * hp * dp <= 2048 else 8,
+        )  # fmt: skip
+    return y
+
+
+def _grid2d(m: int, n: int) -> tuple[int, tuple[int, int]]:
+    block = min(1024 if not interpret_mode() else 256, max(16, 1 << (max(1, n) - 1).bit_length()))
+    return block, (m, -(-n // block))
+
+
+@register_kernel("swiglu_fwd", "triton")
+def swiglu_fwd(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    tl_ = _tl()
+    m, n = g.shape
+    y = torch.empty((m, n), dtype=g.dtype, device=g.device)
+    block, grid = _grid2d(m, n)
+    if y.numel():
+        tl_.swiglu_fwd_kernel[grid](g, u, y, g.stride(0), u.stride(0), y.stride(0), n, BLOCK=block)
+    return y
+
+
+@register_kernel("swiglu_bwd", "triton")
+def swiglu_bwd(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    tl_ = _tl()
+    m, n = g.shape
+    out = torch.empty((m, 2 * n), dtype=g.dtype, device=g.device)
+    dg, du = out[:, :n], out[:, n:]
+    block, grid = _grid2d(m, n)
+    if out.numel():
+        tl_.swiglu_bwd_kernel[grid](
+            dy, g, u, dg, du, dy.stride(0), g.stride(0), u.stride(0), dg.stride(0), du.stride(0), n,
+            BLOCK=block,
+        )  # fmt: skip
+    return out
+
+
+@register_kernel("ce_rows", "triton")
+def ce_rows(
+    logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, ignore_index: int
+) -> torch.Tensor:
+    tl_ = _tl()
+    c, v = logits.shape
+    loss = torch.empty(c, dtype=torch.float32, device=logits.device)
+    block = tl_.block_for(v, cap=4096 if not interpret_mode() else 256)
+    if c:
+        tl_.ce_rows_kernel[(c,)](
+            logits, labels, loss, scale, logits.stride(0), v, ignore_index, BLOCK=block,
+            num_warps=tl_.warps_for(block),
+        )  # fmt: skip
+    return loss
+
+
+@register_kernel("adamw", "triton")
+def adamw_(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    hyper: tuple[float, float, float, float, float],
+    step: int,
+) -> None:
+    tl_ = _tl()
+    lr, beta1, beta2, eps, wd = hyper
+    n = p.numel()
+    block = 1024 if interpret_mode() else 4096
+    tl_.adamw_kernel[(-(-n // block),)](
+        p, g, m, v, n, lr, beta1, beta2, eps, wd, lr / (1 - beta1**step),
+        math.sqrt(1 - beta2**step), BLOCK=block, num_warps=8 if block >= 4096 else 4,
+    )  # fmt: skip

@@ -1,0 +1,183 @@
+"""Kernel policy: swap megalith's fused kernels into HF Llama / Qwen2 / Mistral models from outside.
+
+What `apply_kernels(model)` patches (all undone by `remove_kernels(model)`):
+
+- every ``{Llama,Qwen2,Mistral}RMSNorm`` module → a `KernelRMSNorm` holding the *same* weight
+  Parameter (names, optimizer state and checkpoints unchanged);
+- every ``{Llama,Qwen2,Mistral}MLP`` without biases and with SiLU → its instance ``forward`` becomes
+  `swiglu_mlp` (gate and up as one matmul, fused SwiGLU, hidden recomputed in backward);
+- the model family's module-level ``apply_rotary_pos_emb`` (looked up by the HF attention forward
+  at call time) → the rotary kernel (for ``unsqueeze_dim=1``; reference-counted over patched models:
+  the original returns when the last one is un-patched; unpatched models of that family in the same
+  process also get the kernel, which computes the same function);
+- the CausalLM's instance ``forward``: when ``labels`` are given, the LM head and the shifted
+  cross-entropy run as `fused_linear_cross_entropy` and the output has ``logits=None``; without
+  labels the class forward runs unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass, field
+from types import MethodType, ModuleType
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalith.common.errors import ConfigError
+from megalith.kernels import KernelRMSNorm, apply_rotary, fused_linear_cross_entropy, swiglu_mlp
+
+logger = logging.getLogger(__name__)
+
+FAMILIES = ("Llama", "Qwen2", "Mistral")
+_ATTR = "_megalith_kernel_patch"
+_ROPE_FN = "apply_rotary_pos_emb"
+_ROPE_PATCHES: dict[str, tuple[Any, int]] = {}  # module name -> (original function, patched models)
+
+
+@dataclass
+class KernelPatch:
+    """What was changed on one model, so it can be undone."""
+
+    modules: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list)  # parent, attr, original
+    forwards: list[nn.Module] = field(default_factory=list)  # modules given an instance forward
+    rope_module: str | None = None
+
+    def summary(self) -> dict[str, int]:
+        return {
+            "rms_norm": len(self.modules),
+            "forwards": len(self.forwards),
+            "rope": int(self.rope_module is not None),
+        }
+
+
+def _family(model: nn.Module) -> str:
+    name = type(model).__name__
+    for fam in FAMILIES:
+        if name.startswith(fam):
+            return fam
+    raise ConfigError(
+        f"kernels: no kernel policy for {name}; supported: " + ", ".join(f"{f}ForCausalLM" for f in FAMILIES)
+    )
+
+
+def _mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+
+
+def _fusable_mlp(module: nn.Module) -> bool:
+    projections = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    act = type(getattr(module, "act_fn", None)).__name__
+    return all(isinstance(p, nn.Linear) and p.bias is None for p in projections) and act in (
+        "SiLU",
+        "SiLUActivation",
+    )
+
+
+def _make_rope(original: Any) -> Any:
+    def apply_rotary_pos_emb(
+        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if unsqueeze_dim != 1 or cos.dim() != 3:
+            return original(q, k, cos, sin, unsqueeze_dim)
+        return apply_rotary(q, k, cos, sin)
+
+    return apply_rotary_pos_emb
+
+
+def _patch_rope(module: ModuleType) -> None:
+    original, count = _ROPE_PATCHES.get(module.__name__, (getattr(module, _ROPE_FN), 0))
+    if count == 0:
+        setattr(module, _ROPE_FN, _make_rope(original))
+    _ROPE_PATCHES[module.__name__] = (original, count + 1)
+
+
+def _unpatch_rope(name: str) -> None:
+    original, count = _ROPE_PATCHES[name]
+    if count <= 1:
+        setattr(importlib.import_module(name), _ROPE_FN, original)
+        del _ROPE_PATCHES[name]
+    else:
+        _ROPE_PATCHES[name] = (original, count - 1)
+
+
+def _causal_lm_forward(self: Any, *args: Any, labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
+    """LM head + shifted cross-entropy as one fused kernel when labels are given (logits=None)."""
+    if labels is None:
+        return type(self).forward(self, *args, **kwargs)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    kwargs.pop("logits_to_keep", None)
+    num_items = kwargs.get("num_items_in_batch")
+    out = self.model(*args, **kwargs)
+    hidden = out.last_hidden_state
+    shifted = kwargs.get("shift_labels")
+    if shifted is None:
+        shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    weight = self.lm_head.weight
+    loss = fused_linear_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype),
+        weight,
+        shifted.reshape(-1).to(hidden.device),
+        ignore_index=-100,
+        reduction="mean" if num_items is None else "sum",
+    )
+    if num_items is not None:
+        loss = loss / num_items
+    return CausalLMOutputWithPast(  # type: ignore[call-arg]
+        loss=loss,
+        logits=None,
+        past_key_values=out.past_key_values,
+        hidden_states=out.hidden_states,
+        attentions=out.attentions,
+    )
+
+
+def _swap_norms_and_mlps(model: nn.Module, family: str, patch: KernelPatch) -> None:
+    for parent in list(model.modules()):
+        for attr, child in list(parent.named_children()):
+            kind = type(child).__name__
+            if kind == f"{family}RMSNorm":
+                eps = float(getattr(child, "variance_epsilon", getattr(child, "eps", 1e-6)))
+                setattr(parent, attr, KernelRMSNorm(cast(nn.Parameter, child.weight), eps))
+                patch.modules.append((parent, attr, child))
+            elif kind == f"{family}MLP" and _fusable_mlp(child):
+                child.forward = MethodType(_mlp_forward, child)
+                patch.forwards.append(child)
+
+
+def apply_kernels(model: nn.Module, cross_entropy: bool = True) -> KernelPatch:
+    """Swap the kernels into `model` in place (see the module docstring); returns what changed."""
+    if getattr(model, _ATTR, None) is not None:
+        raise ConfigError(f"kernels are already applied to this {type(model).__name__}")
+    family = _family(model)
+    patch = KernelPatch()
+    _swap_norms_and_mlps(model, family, patch)
+    rope_module = importlib.import_module(type(model).__module__)
+    if hasattr(rope_module, _ROPE_FN):
+        _patch_rope(rope_module)
+        patch.rope_module = rope_module.__name__
+    head = getattr(model, "lm_head", None)
+    if cross_entropy and isinstance(head, nn.Linear) and head.bias is None and hasattr(model, "model"):
+        model.forward = MethodType(_causal_lm_forward, model)
+        patch.forwards.append(model)
+    setattr(model, _ATTR, patch)
+    logger.info("kernels applied to %s: %s", type(model).__name__, patch.summary())
+    return patch
+
+
+def remove_kernels(model: nn.Module) -> None:
+    """Undo `apply_kernels` (modules back, instance forwards removed, rotary function restored)."""
+    patch: KernelPatch | None = getattr(model, _ATTR, None)
+    if patch is None:
+        raise ConfigError(f"no kernels were applied to this {type(model).__name__}")
+    for parent, attr, original in patch.modules:
+        setattr(parent, attr, original)
+    for module in patch.forwards:
+        del module.forward
+    if patch.rope_module is not None:
+        _unpatch_rope(patch.rope_module)
+    delattr(model, _ATTR)

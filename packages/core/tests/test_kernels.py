@@ -1,0 +1,231 @@
+"""megalith.kernels vs independent torch references.
+
+On CPU the Triton kernels run in the interpreter (TRITON_INTERPRET=1, set below before Triton is
+imported; fp32 only) and tolerances are fp32-tight; on a GPU the same tests run in bf16 on the
+compiled kernels. Tolerances (max abs error, inputs ~N(0, 1)):
+  fp32: 1e-5 (elementwise), 1e-4 (reductions / matmuls); bf16: 2e-2 elementwise, 5e-2 matmul paths.
+Each test runs both backends: "triton" (when importable) and the "torch" fallbacks.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+GPU = torch.cuda.is_available()
+if not GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
+
+from megalith.common.errors import ConfigError  # noqa: E402
+from megalith.kernels import (  # noqa: E402
+    FusedAdamW,
+    apply_rotary,
+    fused_linear_cross_entropy,
+    get_kernel,
+    pick_backend,
+    rms_norm,
+    swiglu,
+    swiglu_mlp,
+    triton_available,
+)
+
+DEVICE = torch.device("cuda" if GPU else "cpu")
+DTYPE = torch.bfloat16 if GPU else torch.float32
+TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 5e-2)}[DTYPE]  # (elementwise, matmul)
+BACKENDS = ["torch"] + (["triton"] if triton_available() else [])
+FEW = settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    monkeypatch.setenv("MEGALITH_KERNELS", request.param)
+    return request.param
+
+
+def _leaf(*shape: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device=DEVICE) * scale).to(DTYPE).requires_grad_()
+
+
+def _twin(t: torch.Tensor) -> torch.Tensor:
+    """An fp32 copy for the reference computation."""
+    return t.detach().float().clone().requires_grad_()
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> None:
+    err = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
+    assert err <= tol * max(1.0, want.abs().max().item()), f"{what}: max abs error {err} > {tol}"
+
+
+# -- registry ---------------------------------------------------------------------------------------
+def test_backend_choice_follows_env_device_and_dtype(monkeypatch):
+    x32 = torch.zeros(2)
+    monkeypatch.setenv("MEGALITH_KERNELS", "torch")
+    assert pick_backend(x32) == "torch"
+    monkeypatch.delenv("MEGALITH_KERNELS")
+    if triton_available() and not GPU:
+        assert pick_backend(x32) == "triton"  # interpreter is on in this module
+        assert pick_backend(x32.bfloat16()) == "torch"  # the interpreter runs fp32 only
+    monkeypatch.setenv("MEGALITH_KERNELS", "fastest")
+    with pytest.raises(ConfigError, match="fastest"):
+        pick_backend(x32)
+    with pytest.raises(ConfigError, match="no_such_kernel"):
+        get_kernel("no_such_kernel")
+
+
+def test_bad_shapes_raise_config_error_naming_them():
+    x = torch.zeros(3, 8)
+    with pytest.raises(ConfigError, match=r"\(7,\)"):
+        rms_norm(x, torch.ones(7))
+    with pytest.raises(ConfigError, match=r"\(3, 5\)"):
+        swiglu(x[:, :5], x)
+    with pytest.raises(ConfigError, match=r"\[V, H\]"):
+        fused_linear_cross_entropy(x, torch.zeros(10, 9), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ConfigError, match="labels"):
+        fused_linear_cross_entropy(x, torch.zeros(10, 8), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ConfigError, match="even D"):
+        q = torch.zeros(1, 2, 4, 7)
+        apply_rotary(q, q, torch.zeros(1, 4, 7), torch.zeros(1, 4, 7))
+
+
+# -- RMSNorm ----------------------------------------------------------------------------------------
+@FEW
+@given(rows=st.integers(1, 6), n=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_rms_norm_forward_backward(backend, rows, n, seed):
+    torch.manual_seed(seed)
+    x, w = _leaf(2, rows, n), _leaf(n)
+    y = rms_norm(x, w, 1e-6)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    xr, wr = _twin(x), _twin(w)
+    yr = xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + 1e-6) * wr
+    yr.backward(dy.float())
+    _close(y, yr, TOL[0], "y")
+    _close(x.grad, xr.grad, TOL[1], "dx")
+    _close(w.grad, wr.grad, TOL[1] * rows, "dw")
+
+
+# -- rotary -----------------------------------------------------------------------------------------
+@FEW
+@given(
+    b=st.integers(1, 2), heads=st.sampled_from([(2, 1), (4, 2), (3, 3)]), s=st.integers(1, 5),
+    half=st.integers(1, 6), seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_rotary_matches_hf_forward_backward(backend, b, heads, s, half, seed):
+    torch.manual_seed(seed)
+    h, kv = heads
+    d = 2 * half
+    q_base = _leaf(b, s, h, d)
+    q = q_base.transpose(1, 2)  # HF's [B, H, S, D] view of [B, S, H, D]
+    k = _leaf(b, kv, s, d)
+    angles = torch.randn(1, s, half, device=DEVICE)
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(DTYPE) for f in (torch.cos, torch.sin))
+    qo, ko = apply_rotary(q, k, cos, sin)
+    gq, gk = torch.randn_like(qo), torch.randn_like(ko)
+    ((qo.float() * gq).sum() + (ko.float() * gk).sum()).backward()
+    qr, kr = _twin(q), _twin(k)
+    qe, ke = apply_rotary_pos_emb(qr, kr, cos.float(), sin.float())
+    ((qe * gq.float()).sum() + (ke * gk.float()).sum()).backward()
+    _close(qo, qe, TOL[0], "q")
+    _close(ko, ke, TOL[0], "k")
+    _close(q_base.grad.transpose(1, 2), qr.grad, TOL[0], "dq")
+    _close(k.grad, kr.grad, TOL[0], "dk")
+
+
+# -- SwiGLU -----------------------------------------------------------------------------------------
+@FEW
+@given(rows=st.integers(1, 5), n=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_swiglu_forward_backward(backend, rows, n, seed):
+    torch.manual_seed(seed)
+    g, u = _leaf(rows, 2, n), _leaf(rows, 2, n)
+    y = swiglu(g, u)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    gr, ur = _twin(g), _twin(u)
+    (gr * torch.sigmoid(gr) * ur).backward(dy.float())
+    _close(y, F.silu(gr) * ur, TOL[0], "y")
+    _close(g.grad, gr.grad, TOL[0], "dg")
+    _close(u.grad, ur.grad, TOL[0], "du")
+
+
+@FEW
+@given(
+    tokens=st.integers(1, 6), hidden=st.integers(2, 12), inter=st.integers(1, 20), seed=st.integers(0, 2**16)
+)
+def test_swiglu_mlp_matches_three_linears(backend, tokens, hidden, inter, seed):
+    torch.manual_seed(seed)
+    x = _leaf(1, tokens, hidden)
+    wg, wu, wd = (
+        _leaf(inter, hidden, scale=0.3),
+        _leaf(inter, hidden, scale=0.3),
+        _leaf(hidden, inter, scale=0.3),
+    )
+    y = swiglu_mlp(x, wg, wu, wd)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    ref = [_twin(t) for t in (x, wg, wu, wd)]
+    xr, wgr, wur, wdr = ref
+    ((F.silu(xr @ wgr.t()) * (xr @ wur.t())) @ wdr.t()).backward(dy.float())
+    _close(y, (F.silu(xr @ wgr.t()) * (xr @ wur.t())) @ wdr.t(), TOL[1], "y")
+    for got, want, name in zip((x, wg, wu, wd), ref, ("dx", "dgate", "dup", "ddown"), strict=True):
+        _close(got.grad, want.grad, TOL[1], name)
+
+
+# -- fused linear cross-entropy ----------------------------------------------------------------------
+@FEW
+@given(
+    tokens=st.integers(1, 40), hidden=st.integers(1, 16), vocab=st.integers(2, 70),
+    reduction=st.sampled_from(["mean", "sum"]), seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_fused_linear_cross_entropy(backend, tokens, hidden, vocab, reduction, seed):
+    torch.manual_seed(seed)
+    h, w = _leaf(tokens, hidden), _leaf(vocab, hidden, scale=0.5)
+    labels = torch.randint(0, vocab, (tokens,), device=DEVICE)
+    labels[torch.rand(tokens, device=DEVICE) < 0.3] = -100
+    loss = fused_linear_cross_entropy(h, w, labels, reduction=reduction)
+    (loss * 2.0).backward()
+    hr, wr = _twin(h), _twin(w)
+    ref = F.cross_entropy(hr @ wr.t(), labels, ignore_index=-100, reduction="sum")
+    if reduction == "mean":
+        ref = ref / (labels != -100).sum().clamp(min=1)
+    (ref * 2.0).backward()
+    _close(loss, ref, TOL[1], "loss")
+    _close(h.grad, hr.grad, TOL[1], "dh")
+    _close(w.grad, wr.grad, TOL[1], "dw")
+
+
+def test_fused_linear_cross_entropy_without_grad_skips_gradients(backend):
+    h, w = torch.randn(5, 4, device=DEVICE, dtype=DTYPE), torch.randn(9, 4, device=DEVICE, dtype=DTYPE)
+    labels = torch.tensor([1, 2, -100, 3, 8], device=DEVICE)
+    got = fused_linear_cross_entropy(h, w, labels)
+    want = F.cross_entropy((h @ w.t()).float(), labels)
+    _close(got, want, TOL[1], "loss")
+
+
+# -- AdamW ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_fused_adamw_matches_torch_adamw(backend, weight_decay):
+    torch.manual_seed(0)
+    shapes = [(33, 7), (5,), (4, 3, 2)]
+    ours = [torch.randn(s, device=DEVICE) for s in shapes]
+    ref = [p.clone() for p in ours]
+    groups = lambda ps: [{"params": ps[:2]}, {"params": ps[2:], "lr": 0.05}]  # noqa: E731
+    opt = FusedAdamW(groups(ours), lr=0.1, betas=(0.8, 0.95), eps=1e-6, weight_decay=weight_decay)
+    torch_opt = torch.optim.AdamW(groups(ref), lr=0.1, betas=(0.8, 0.95), eps=1e-6, weight_decay=weight_decay)
+    for _ in range(3):
+        for a, b in zip(ours, ref, strict=True):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        opt.step()
+        torch_opt.step()
+    for a, b in zip(ours, ref, strict=True):
+        _close(a, b, 1e-5, "param")
+        _close(opt.state[a]["exp_avg_sq"], torch_opt.state[b]["exp_avg_sq"], 1e-5, "exp_avg_sq")
+    with pytest.raises(ConfigError, match="betas"):
+        FusedAdamW(ours, betas=(0.9, 1.5))
