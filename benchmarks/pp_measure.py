@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2))
 PP, DP = 2, 2
 
 

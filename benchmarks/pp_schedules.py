@@ -1,7 +1,6 @@
-"""Pipeline schedules: simulated bubble ratio per schedule (and measured CPU step time when the
-pipeline executor is available).
+"""Pipeline schedules: simulated bubble ratio per schedule and measured CPU step time.
 
-    uv run python benchmarks/pp_schedules.py              # simulated grid (+ measured part if present)
+    uv run python benchmarks/pp_schedules.py --steps 3    # simulated grid + measured step times
     uv run python benchmarks/pp_schedules.py --simulated-only
 
 Simulated part: `megalith.pipeline.simulate` with F = 1, B = 2 (split B = W = 1) per whole
@@ -10,8 +9,8 @@ bubble_ratio = (makespan − busy) / busy; closed forms: GPipe / 1F1B (p−1)/m,
 (p−1)/(v·m), ZB-H1 (p−1)/(3m). Also records the peak in-flight activations per rank and whether
 the schedule also runs with rendezvous (blocking) sends batched between computations.
 
-Measured part (`measured_rows`): step time on CPU with gloo (pp=2, 4 ranks) per schedule; it
-needs `megalith.pipeline.executor` and is skipped with a message when that is missing.
+Measured part (`benchmarks/pp_measure.py`, `measured_rows`): median step time on CPU with gloo
+(pp=2 × dp=2, 4 ranks) per schedule, through `booster.execute_pipeline` and an AdamW step.
 
 Writes benchmarks/results/pp_schedules.json.
 """
@@ -19,7 +18,6 @@ Writes benchmarks/results/pp_schedules.json.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
@@ -94,14 +92,19 @@ def simulated_rows() -> list[dict[str, Any]]:
 
 def measured_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Measured step time per schedule on CPU with gloo (pp=2, 4 ranks: dp=2 × pp=2), from
-    benchmarks/pp_measure.py; no rows when that script is absent."""
+    benchmarks/pp_measure.py (a `torch.distributed.run` child process)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    if importlib.util.find_spec("pp_measure") is None:
-        return []
-    import pp_measure
+    from pp_measure import measured_rows as measure
 
-    rows: list[dict[str, Any]] = pp_measure.measured_rows(args)
-    return rows
+    return measure(args)
+
+
+def _print_measured(rows: list[dict[str, Any]]) -> None:
+    print(f"{'schedule':12s} {'p':>2s} {'dp':>2s} {'m':>3s} {'v':>2s} {'step':>9s}")
+    for r in rows:
+        print(
+            f"{r['schedule']:12s} {r['p']:2d} {r['dp']:2d} {r['m']:3d} {r['v']:2d} {r['step_time_s']:8.3f}s"
+        )
 
 
 def _print_table(rows: list[dict[str, Any]]) -> None:
@@ -121,12 +124,9 @@ def main(argv: list[str] | None = None) -> None:
     payload: dict[str, Any] = {"simulated": rows, "cost_model": {"F": 1, "B": 2, "B_split": 1, "W": 1}}
     if args.simulated_only:
         print("measured part skipped (--simulated-only)")
-    elif importlib.util.find_spec("megalith.pipeline.executor") is None:
-        print("measured part skipped: megalith.pipeline.executor is not available")
     else:
         payload["measured"] = measured_rows(args)
-        if not payload["measured"]:
-            print("measured part: no rows (benchmarks/pp_measure.py not found)")
+        _print_measured(payload["measured"])
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _common import write_result
 

@@ -259,7 +259,10 @@ def main() -> None:
 
     with torch.device("meta"):
         psi = sum(t.numel() for t in LlamaForCausalLM(model_config(args.model)).parameters())
-    results = {c: run_config(c, args) for c in args.configs.split(",")}
+    results = {}
+    for config in args.configs.split(","):
+        results[config] = run_config(config, args)
+        print(f"{config}: {json.dumps(results[config])}", flush=True)  # kept if a later one is cut off
     print_table(args, psi, results)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _common import write_result

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import shutil
 import traceback
 from pathlib import Path
@@ -78,8 +79,9 @@ def snapshot(booster, model, opt) -> dict[str, torch.Tensor]:
         dist.all_reduce(steps, op=dist.ReduceOp.MAX)
     parts = joined.split([NUMELS[n] for n, _ in keys])
     out = {f"param::{n}": t for n, t in full.items()}
-    out.update({f"{n}::{k}": t for (n, k), t in zip(keys, parts, strict=True)})
-    out.update({f"{n}::step": steps[i : i + 1] for n, i in index.items()})
+    # clones: a pickled view would carry its whole storage to the parent process
+    out.update({f"{n}::{k}": t.clone() for (n, k), t in zip(keys, parts, strict=True)})
+    out.update({f"{n}::step": steps[i : i + 1].clone() for n, i in index.items()})
     return out
 
 
@@ -139,8 +141,9 @@ def in_child(fn, *args):
     results = ctx.Queue()
 
     def target() -> None:
+        torch.set_num_threads(1)  # the parent's intra-op thread pool does not survive the fork
         try:
-            results.put(("ok", fn(0, 1, *args)))
+            results.put(("ok", pickle.dumps(fn(0, 1, *args))))  # bytes: no shared-memory tensors
         except BaseException as exc:  # noqa: BLE001 - re-raised in the parent
             results.put(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         results.close()
@@ -150,12 +153,12 @@ def in_child(fn, *args):
     child = ctx.Process(target=target)
     child.start()
     try:
-        status, value = results.get(timeout=240)
+        status, value = results.get(timeout=120)
     finally:
         child.join(timeout=30)
     if status != "ok":
         raise AssertionError(f"single-process run failed: {value}")
-    return value
+    return pickle.loads(value)
 
 
 def by_world(fn, plan, root: str) -> dict:

@@ -57,6 +57,29 @@ def _common(p: argparse.ArgumentParser, out: str, lr: float, lora_r: int = 0) ->
         "(default: none)",
     )
     p.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline-parallel stages of the trainer: > 1 splits the decoder layers over N ranks "
+        "(HybridPlugin; embedding on the first, norm + LM head on the last; --plugin then applies over "
+        "the remaining data-parallel ranks; producers receive the full weights). grpo and sft only; not "
+        "with LoRA (--lora-r 0) or --tp > 1 (default: 1)",
+    )
+    p.add_argument(
+        "--pp-schedule",
+        choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"],
+        default="1f1b",
+        help="pipeline schedule with --pp > 1; interleaved and zb-v put 2 stages on each rank (default: 1f1b)",
+    )
+    p.add_argument(
+        "--num-microbatches",
+        type=int,
+        default=None,
+        help="microbatches per pipeline step with --pp > 1: must divide the rows of one step (sft: "
+        "--batch-size; grpo: prompts-per-step x group-size / data-parallel ranks) and be >= --pp "
+        "(default: 2 x pp, or the rows when fewer)",
+    )
+    p.add_argument(
         "--precision",
         choices=["fp32", "bf16", "fp16"],
         default="fp32",
@@ -293,6 +316,9 @@ def grpo_config(args: argparse.Namespace) -> Any:
         export=not args.no_export,
         tp=args.tp,
         sp_mode=args.sp_mode,
+        pp=args.pp,
+        pp_schedule=args.pp_schedule,
+        num_microbatches=args.num_microbatches,
     )
 
 

@@ -69,6 +69,9 @@ class TrainConfig:
     neftune_alpha: float = 0.0
     tp: int = 1
     sp_mode: str = "none"
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    num_microbatches: int | None = None
     lora: bool = False
     lora_rank: int = 8
     seed: int = 0
@@ -85,6 +88,12 @@ class TrainConfig:
             raise ConfigError(f"--schedule must be cosine, wsd or constant, got {self.schedule!r}")
         if self.max_tokens is not None and self.max_tokens <= 0:
             raise ConfigError(f"--max-tokens must be > 0, got {self.max_tokens}")
+        if self.pp < 1:
+            raise ConfigError(f"--pp must be >= 1, got {self.pp}")
+        if self.pp > 1:
+            from megalith_llama.pp import resolve_microbatches
+
+            resolve_microbatches(self.pp, self.batch_size, self.num_microbatches)
 
 
 @dataclass(frozen=True)
@@ -118,6 +127,7 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     plugin = _plugin(cfg, make_plugin)
     booster = Booster(plugin=plugin, precision=cfg.precision)
     params = [p for p in model.parameters() if p.requires_grad]
+    per_token = flops_per_token(model, model.config, cfg.seq_len)  # the whole model, before any split
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     total_steps = _total_steps(cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -138,7 +148,7 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     ppl_before = _heldout_ppl(booster, model, heldout, cfg, info.device.torch)
     if step == 0:
         metrics.write({"step": 0, "event": "eval", "val_loss": math.log(ppl_before), "val_ppl": ppl_before})
-    parts = _Parts(booster, model, optimizer, scheduler, loader)
+    parts = _Parts(booster, model, optimizer, scheduler, loader, per_token)
     loop = _Loop(cfg, parts, metrics, out, heldout, info.device.torch)
     loop.train(step, total_steps)
     ppl_after = _heldout_ppl(booster, model, heldout, cfg, info.device.torch)
@@ -161,13 +171,21 @@ def run_training(cfg: TrainConfig) -> TrainResult:
 
 
 def _plugin(cfg: TrainConfig, make_plugin: Any) -> Any:
-    """`--tp N` (N > 1) selects the hybrid plugin: tensor (and sequence) parallel inside, ZeRO over dp."""
-    if cfg.tp == 1 and cfg.sp_mode == "none":
+    """`--tp N` / `--pp N` (N > 1) select the hybrid plugin: tensor (and sequence) parallel inside,
+    pipeline stages across, ZeRO over dp."""
+    if cfg.tp == 1 and cfg.sp_mode == "none" and cfg.pp == 1:
         return make_plugin(cfg.plugin)
     stages = {"ddp": 0, "zero1": 1, "zero2": 2, "hybrid": 2}
     if cfg.plugin not in stages:
-        raise ConfigError(f"--tp/--sp-mode work with --plugin {'|'.join(stages)}, not {cfg.plugin!r}")
-    return make_plugin("hybrid", tp_size=cfg.tp, sp_mode=cfg.sp_mode, zero_stage=stages[cfg.plugin])
+        raise ConfigError(f"--tp/--sp-mode/--pp work with --plugin {'|'.join(stages)}, not {cfg.plugin!r}")
+    options: dict[str, Any] = {"tp_size": cfg.tp, "sp_mode": cfg.sp_mode, "zero_stage": stages[cfg.plugin]}
+    if cfg.pp > 1:
+        from megalith_llama.pp import model_chunks, resolve_microbatches
+
+        m = resolve_microbatches(cfg.pp, cfg.batch_size, cfg.num_microbatches)
+        options |= {"pp_size": cfg.pp, "pp_schedule": cfg.pp_schedule, "num_microbatches": m}
+        options["num_model_chunks"] = model_chunks(cfg.pp_schedule)
+    return make_plugin("hybrid", **options)
 
 
 def _total_steps(cfg: TrainConfig) -> int:
@@ -182,6 +200,7 @@ def _load_inputs(cfg: TrainConfig, device: torch.device) -> tuple[Any, Any, Any,
     from megalith_llama.dataset import PackedDataset
     from megalith_llama.eval import heldout_sequences
     from megalith_llama.model import check_seq_len, load_model
+    from megalith_llama.pp import check_model
     from megalith_llama.train_utils import prepared_builtin
 
     if _rank() == 0:  # first conversion of the default model happens once, on rank 0
@@ -192,6 +211,9 @@ def _load_inputs(cfg: TrainConfig, device: torch.device) -> tuple[Any, Any, Any,
     model, tokenizer = loaded.model, loaded.tokenizer
     check_seq_len(model.config, cfg.seq_len)
     train_set = _train_set(cfg, model, tokenizer, prepared_builtin, PackedDataset, barrier)
+    check_model(
+        model.config, cfg.pp, cfg.pp_schedule, cfg.lora, bool(getattr(train_set, "document_masking", False))
+    )
     heldout = heldout_sequences(tokenizer, cfg.seq_len)
     if cfg.lora:
         model = _apply_lora(model, cfg.lora_rank)
@@ -251,8 +273,14 @@ def _heldout_ppl(booster: Any, model: Any, heldout: Any, cfg: TrainConfig, devic
     dp_rank, dp_size = booster.plugin.dp_rank(), booster.plugin.dp_size()
     n = min(len(heldout), cfg.eval_batches * cfg.batch_size * dp_size)
     mine = Subset(heldout, list(range(dp_rank, n, dp_size)))
-    result = evaluate(booster.unwrap(model), mine, batch_size=cfg.batch_size, device=device)
-    sums = torch.tensor([result.loss * result.tokens, float(result.tokens)], dtype=torch.float64)
+    if cfg.pp > 1:  # forward-only pipeline (megalith_llama/pp.py)
+        from megalith_llama import pp
+
+        loss, tokens = pp.evaluate(booster, model, mine, cfg.batch_size, device)
+    else:
+        result = evaluate(booster.unwrap(model), mine, batch_size=cfg.batch_size, device=device)
+        loss, tokens = result.loss, result.tokens
+    sums = torch.tensor([loss * tokens, float(tokens)], dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(sums)
     model.train()
@@ -304,6 +332,7 @@ class _Parts:
     optimizer: Any
     scheduler: Any
     loader: Any
+    flops_per_token: float = 0.0  # of the whole model, counted before tp / pp split it
 
 
 class _Loop:
@@ -322,8 +351,7 @@ class _Loop:
         self.scheduler, self.loader, self.metrics, self.out = parts.scheduler, parts.loader, metrics, out
         self.heldout, self.device = heldout, device
         self.tp = max(1, _world() // self.booster.plugin.dp_size())
-        config = self.booster.unwrap(self.model).config
-        self.flops_per_token = flops_per_token(self.booster.unwrap(self.model), config, cfg.seq_len)
+        self.flops_per_token = parts.flops_per_token
         self.peak = peak_flops(device, cfg.precision)
         self._batches: Iterator[Any] = iter(())
 
@@ -348,9 +376,14 @@ class _Loop:
             batch = self._next_batch()
             sync = micro == accum - 1
             with self.booster.no_sync(self.model, self.optimizer) if not sync else nullcontext():
-                loss = self.model(**batch).loss / accum
-                self.booster.backward(loss, self.optimizer)
-            total += float(loss.detach())
+                if self.cfg.pp > 1:  # the pipeline runs forward and backward (megalith_llama/pp.py)
+                    from megalith_llama.pp import train_step
+
+                    total += train_step(self.booster, self.model, self.optimizer, batch, accum)
+                else:
+                    loss = self.model(**batch).loss / accum
+                    self.booster.backward(loss, self.optimizer)
+                    total += float(loss.detach())
             tokens += int(batch["input_ids"].numel())
         return total, tokens
 

@@ -30,6 +30,8 @@ from megalith_chat.rollout.producer import PromptStream, RolloutWorker
 from megalith_chat.rollout.weight_sync import SyncGroupSpec, WeightSyncGroup, receive_weights, send_weights
 from megalith_chat.trainer.grpo import GRPOLearner
 from megalith_chat.trainer.parallel import full_parameters, pad_sequence_to_multiple
+from megalith_chat.trainer.pp import full_parameters as pipeline_parameters
+from megalith_chat.trainer.pp import pipeline_options
 from megalith_chat.trainer.setup import make_booster, make_optimizer
 
 logger = logging.getLogger(__name__)
@@ -187,7 +189,8 @@ class ConsumerActor:
             import copy
 
             ref = copy.deepcopy(model).eval().requires_grad_(False)
-        self.booster = make_booster(run.plugin, run.precision, run.tp, run.sp_mode, model)
+        pipeline = pipeline_options(run.pp, run.pp_schedule, run.microbatches) if run.pp > 1 else None
+        self.booster = make_booster(run.plugin, run.precision, run.tp, run.sp_mode, model, pipeline)
         optimizer = make_optimizer(model, run.lr, run.weight_decay)
         self.model, self.optimizer, *_ = self.booster.boost(model, optimizer)
         if run.sp_mode == "split_gather":
@@ -211,9 +214,14 @@ class ConsumerActor:
 
     def send_weights(self, version: int) -> dict[str, float]:
         """Rank 0 sends; under tp > 1 every rank of its tp group calls this too (the tp blocks are
-        gathered into full tensors, a collective), and only rank 0 holds the sync group."""
+        gathered into full tensors, a collective), under pp > 1 every consumer rank (each stage's
+        tensors are broadcast from their holder), and only rank 0 holds the sync group."""
         model = self.booster.unwrap(self.model)
-        full = full_parameters(self.booster, model, is_peft(model)) if self.run_config.tp > 1 else None
+        full = None
+        if self.run_config.pp > 1:
+            full = pipeline_parameters(self.booster, model)
+        elif self.run_config.tp > 1:
+            full = full_parameters(self.booster, model, is_peft(model))
         if self._group is None and full is not None:
             return {"seconds": 0.0, "bytes": 0.0, "buckets": 0.0, "checksum": 0.0}
         if self._group is None:

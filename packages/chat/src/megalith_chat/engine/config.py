@@ -9,6 +9,7 @@ from megalith_chat.modeling import LoraSpec
 from megalith_chat.rollout.producer import RolloutConfig
 from megalith_chat.trainer.grpo import LearnerConfig
 from megalith_chat.trainer.parallel import check_parallel
+from megalith_chat.trainer.pp import check_pipeline, resolve_microbatches
 from megalith_chat.trainer.setup import PLUGINS, PRECISIONS
 
 
@@ -94,6 +95,9 @@ class GRPORunConfig:
     export: bool = True
     tp: int = 1  # consumer ranks per tensor-parallel group (trainer/parallel.py)
     sp_mode: str = "none"
+    pp: int = 1  # pipeline stages over the consumer ranks (trainer/pp.py)
+    pp_schedule: str = "1f1b"
+    num_microbatches: int | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.prompts_per_step < 1:
@@ -105,19 +109,42 @@ class GRPORunConfig:
         if self.lr <= 0 or self.save_every < 0 or self.eval_every < 0 or self.eval_prompts < 0:
             raise ConfigError("need lr > 0 and save_every, eval_every, eval_prompts >= 0")
         check_parallel(self.tp, self.sp_mode, self.lora is not None)
+        check_pipeline(self.pp, self.tp, self.lora is not None, "grpo", self.pp_schedule)
         if self.engine.num_consumers % self.tp:
             raise ConfigError(
                 f"num_consumers = {self.engine.num_consumers} is not divisible by tp = {self.tp} "
                 "(the consumers form tensor-parallel groups of tp ranks)"
+            )
+        if self.engine.num_consumers % (self.tp * self.pp):
+            raise ConfigError(
+                f"num_consumers = {self.engine.num_consumers} is not divisible by tp x pp = "
+                f"{self.tp} x {self.pp} (the consumers form pipelines of pp stages of tp ranks)"
+            )
+        if self.pp > 1 and self.eval_every:
+            raise ConfigError(
+                f"eval_every = {self.eval_every} needs generation on the consumers, which pp = {self.pp} "
+                "does not support (every pipeline rank holds only some layers)"
             )
         if self.sp_mode != "none" and self.eval_every:
             raise ConfigError(
                 f"eval_every = {self.eval_every} needs generation on the consumers, which "
                 f"sp_mode={self.sp_mode!r} does not support (one new token is no sequence to split)"
             )
-        samples, dp = self.prompts_per_step * self.rollout.group_size, self.engine.num_consumers // self.tp
+        samples = self.prompts_per_step * self.rollout.group_size
+        dp = self.engine.num_consumers // (self.tp * self.pp)
         if samples % dp:
             raise ConfigError(
                 f"prompts_per_step * group_size = {samples} samples must divide evenly over "
-                f"{dp} data-parallel consumer ranks (num_consumers / tp)"
+                f"{dp} data-parallel consumer ranks (num_consumers / (tp x pp))"
             )
+        if self.pp > 1:
+            resolve_microbatches(
+                self.pp, samples // dp, self.num_microbatches, "samples per data-parallel rank"
+            )
+
+    @property
+    def microbatches(self) -> int:
+        """Pipeline microbatches per step (pp > 1)."""
+        samples = self.prompts_per_step * self.rollout.group_size
+        rows = samples // (self.engine.num_consumers // (self.tp * self.pp))
+        return resolve_microbatches(self.pp, rows, self.num_microbatches, "samples per data-parallel rank")

@@ -145,7 +145,10 @@ class GRPOEngine:
     def _sync(self) -> dict[str, float]:
         eng = self.config.engine
         refs = {"consumer rank 0 (send)": self.consumers[0].send_weights.remote(self.version)}
-        for i in range(1, self.config.tp):  # the rest of rank 0's tp group gathers the full tensors with it
+        # the rest of rank 0's tp group gathers the full tensors with it; under pp every consumer
+        # rank takes part (each stage's tensors are broadcast from the rank that holds them)
+        helpers = self.config.engine.num_consumers if self.config.pp > 1 else self.config.tp
+        for i in range(1, helpers):
             refs[f"consumer rank {i} (gather)"] = self.consumers[i].send_weights.remote(self.version)
         refs.update(
             {f"producer {i}": p.receive_weights.remote(self.version) for i, p in enumerate(self.producers)}

@@ -28,6 +28,7 @@ from torch import nn
 from megalith.booster import Booster
 from megalith.common.errors import ConfigError
 from megalith_chat.algorithms import (
+    IGNORE_INDEX,
     PolicyLossConfig,
     dr_grpo_advantages,
     grpo_advantages,
@@ -35,10 +36,12 @@ from megalith_chat.algorithms import (
     masked_mean,
     policy_loss,
     rloo_advantages,
+    token_logprobs,
 )
 from megalith_chat.messages import RolloutBatch
 from megalith_chat.rollout.batching import select_rows
 from megalith_chat.rollout.generation import response_logprobs
+from megalith_chat.trainer.pp import is_pipelined, num_microbatches, share_from_last_stage
 from megalith_chat.trainer.setup import all_reduce_mean, dp_info, shard_bounds
 
 ADVANTAGES = {"grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages, "rloo": rloo_advantages}
@@ -126,20 +129,11 @@ class GRPOLearner:
         rows = select_rows(batch, lo, hi)
         adv = adv[lo:hi]
         denom = self._global_denominator(rows["response_mask"])
-        mb = self.config.micro_batch_size
-        starts = list(range(0, hi - lo, mb))
-        sums: dict[str, float] = {}
         self._times = {"logprob_s": 0.0, "backward_s": 0.0}
-        for i, s in enumerate(starts):
-            micro = {k: v[s : s + mb] for k, v in rows.items()}
-            if i < len(starts) - 1:
-                with self.booster.no_sync(self.model, self.optimizer):
-                    out = self._micro_step(micro, adv[s : s + mb], denom)
-            else:
-                out = self._micro_step(micro, adv[s : s + mb], denom)
-            weight = float(micro["response_mask"].sum())
-            for k, v in out.items():
-                sums[k] = sums.get(k, 0.0) + v * weight
+        if is_pipelined(self.booster):
+            sums = self._pipeline_step(rows, adv, denom)
+        else:
+            sums = self._micro_steps(rows, adv, denom)
         t0 = time.perf_counter()
         grad_norm = float(self.optimizer.clip_grad_by_norm(self.config.max_grad_norm))
         self.optimizer.step()
@@ -151,12 +145,64 @@ class GRPOLearner:
         metrics["grad_norm"] = grad_norm
         return metrics
 
+    def _micro_steps(
+        self, rows: dict[str, torch.Tensor], adv: torch.Tensor, denom: float
+    ) -> dict[str, float]:
+        """Forward + backward per micro-batch (no_sync except the last); token-weighted metric sums."""
+        mb = self.config.micro_batch_size
+        starts = list(range(0, len(adv), mb))
+        sums: dict[str, float] = {}
+        for i, s in enumerate(starts):
+            micro = {k: v[s : s + mb] for k, v in rows.items()}
+            if i < len(starts) - 1:
+                with self.booster.no_sync(self.model, self.optimizer):
+                    out = self._micro_step(micro, adv[s : s + mb], denom)
+            else:
+                out = self._micro_step(micro, adv[s : s + mb], denom)
+            weight = float(micro["response_mask"].sum())
+            for k, v in out.items():
+                sums[k] = sums.get(k, 0.0) + v * weight
+        return sums
+
+    def _pipeline_step(
+        self, rows: dict[str, torch.Tensor], adv: torch.Tensor, denom: float
+    ) -> dict[str, float]:
+        """The same update through `booster.execute_pipeline` (trainer/pp.py): one pipeline step over
+        this rank's rows; each microbatch's criterion is its `_micro_step` loss times M (the pipeline
+        averages over its M microbatches). Token-weighted metric sums, shared from the last stage."""
+        cfg, m = self.config, num_microbatches(self.booster)
+        t0 = time.perf_counter()
+        batch = pipeline_batch(rows, adv)
+        if cfg.loss.kl_coef > 0 or cfg.track_kl:
+            mb = cfg.micro_batch_size
+            chunks = [{k: v[s : s + mb] for k, v in rows.items()} for s in range(0, len(adv), mb)]
+            refs = [self._ref_logprobs(c) for c in chunks]
+            if all(r is not None for r in refs):
+                batch["ref"] = torch.cat(refs)  # type: ignore[arg-type]
+        t1 = time.perf_counter()
+        sums: dict[str, float] = {}
+        p = rows["prompt_ids"].shape[1]
+
+        def criterion(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+            logits = logits[:, p - 1 : -1].float()
+            logits = logits / cfg.temperature if cfg.temperature > 0 else logits
+            mask = mb["response_mask"].float()
+            labels = torch.where(mask.bool(), mb["response_ids"], IGNORE_INDEX)
+            loss, metrics = self._loss(token_logprobs(logits, labels), mb, mb.get("ref"), denom)
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v * float(mask.sum())
+            return loss * m
+
+        self.booster.execute_pipeline(iter([batch]), self.model, criterion, self.optimizer)
+        self._times["logprob_s"] += t1 - t0  # the reference forward; the policy's runs in the pipeline
+        self._times["backward_s"] += time.perf_counter() - t1
+        return dict(share_from_last_stage(self.booster, sums))
+
     def _micro_step(
         self, micro: dict[str, torch.Tensor], adv: torch.Tensor, denom: float
     ) -> dict[str, float]:
         cfg = self.config
         t0 = time.perf_counter()
-        mask = micro["response_mask"].float()
         ref = self._ref_logprobs(micro) if (cfg.loss.kl_coef > 0 or cfg.track_kl) else None
         logp = response_logprobs(
             self.model,
@@ -167,25 +213,48 @@ class GRPOLearner:
             temperature=cfg.temperature,
         )
         t1 = time.perf_counter()
-        mask = mask.to(logp.device)
+        micro = {**micro, "adv": adv}
+        loss, metrics = self._loss(logp, micro, ref, denom)
+        self.booster.backward(loss, self.optimizer)
+        self._times["logprob_s"] += t1 - t0  # forward passes: policy (with graph) and reference
+        self._times["backward_s"] += time.perf_counter() - t1
+        return metrics
+
+    def _loss(
+        self, logp: torch.Tensor, micro: dict[str, torch.Tensor], ref: torch.Tensor | None, denom: float
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The micro-batch's policy loss, rescaled to (micro sum) / (global denominator) times dp (so
+        that the optimizer's gradient average over ranks recovers the global mean), and its metrics."""
+        cfg = self.config
+        mask = micro["response_mask"].float().to(logp.device)
         old = micro["rollout_logprobs"].to(logp.device)
         result = policy_loss(
             cfg.loss,
             logp,
             old,
-            adv.to(logp.device),
+            micro["adv"].to(logp.device),
             mask,
             ref_logprobs=ref.to(logp.device) if ref is not None else None,
             rollout_logprobs=old,
         )
-        # policy_loss reduced over this micro-batch; rescale to (micro sum) / (global denominator),
-        # times dp so that the optimizer's gradient average over ranks recovers the global mean.
         scale = float(_denominator(mask, cfg.loss.agg_mode).clamp(min=1.0)) / denom * self.dp_size
-        self.booster.backward(result.loss * scale, self.optimizer)
-        self._times["logprob_s"] += t1 - t0  # forward passes: policy (with graph) and reference
-        self._times["backward_s"] += time.perf_counter() - t1
         metrics = dict(result.metrics)
         if ref is not None and "kl" not in metrics:
             metrics["kl"] = float(masked_mean(kl_estimate(logp.detach(), ref.to(logp.device)), mask))
         metrics["mismatch_kl"] = float(masked_mean(kl_estimate(old, logp.detach(), "k3"), mask))
-        return metrics
+        return result.loss * scale, metrics
+
+
+def pipeline_batch(rows: dict[str, torch.Tensor], adv: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One pipeline step's inputs: ``[prompt | response]`` ids, mask and position ids (``cumsum − 1``,
+    as ``response_logprobs``) plus what the loss reads, every tensor split along dim 0."""
+    attn = torch.cat([rows["prompt_mask"], rows["response_mask"]], dim=1)
+    return {
+        "input_ids": torch.cat([rows["prompt_ids"], rows["response_ids"]], dim=1),
+        "attention_mask": attn,
+        "position_ids": (attn.long().cumsum(-1) - 1).clamp(min=0),
+        "response_ids": rows["response_ids"],
+        "response_mask": rows["response_mask"],
+        "rollout_logprobs": rows["rollout_logprobs"],
+        "adv": adv,
+    }

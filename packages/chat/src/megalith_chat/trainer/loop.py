@@ -9,6 +9,7 @@ the full state -- model, optimizer, dataloader position, every rank's RNG, step 
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from megalith_chat.trainer.setup import all_reduce_mean, dp_info
 logger = logging.getLogger(__name__)
 
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+PipelineStep = Callable[[Booster, nn.Module, Any, dict[str, torch.Tensor], int], dict[str, float]]
 
 
 @dataclass(frozen=True)
@@ -68,8 +70,11 @@ def train_loop(
     loss_fn: LossFn,
     config: LoopConfig,
     progress: bool = False,
+    pipeline_step: PipelineStep | None = None,
 ) -> list[dict[str, float]]:
-    """Run ``config.steps`` optimizer steps; returns the per-step metrics (also in ``metrics.jsonl``)."""
+    """Run ``config.steps`` optimizer steps; returns the per-step metrics (also in ``metrics.jsonl``).
+    ``pipeline_step(booster, model, optimizer, batch, grad_accum) -> metrics`` replaces forward +
+    backward under pipeline parallelism (``trainer.pp.sft_step``)."""
     out = Path(config.out_dir)
     ckpt = out / "checkpoint"
     first = 0
@@ -81,6 +86,7 @@ def train_loop(
     _, _, group = dp_info(booster)
     bar = _bar(config.steps, first) if progress and main else None
     stream = _batches(loader)
+    micro_step = pipeline_step or functools.partial(_micro, loss_fn=loss_fn)
     rows: list[dict[str, float]] = []
     for step in range(first, config.steps):
         sums: dict[str, float] = {}
@@ -88,9 +94,9 @@ def train_loop(
             batch = next(stream)
             if micro < config.grad_accum - 1:
                 with booster.no_sync(model, optimizer):
-                    metrics = _micro(booster, model, optimizer, loss_fn, batch, config.grad_accum)
+                    metrics = micro_step(booster, model, optimizer, batch, config.grad_accum)
             else:
-                metrics = _micro(booster, model, optimizer, loss_fn, batch, config.grad_accum)
+                metrics = micro_step(booster, model, optimizer, batch, config.grad_accum)
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v / config.grad_accum
         row = all_reduce_mean(sums, group)
@@ -120,9 +126,9 @@ def _micro(
     booster: Booster,
     model: nn.Module,
     optimizer: Any,
-    loss_fn: LossFn,
     batch: dict[str, torch.Tensor],
     accum: int,
+    loss_fn: LossFn,
 ) -> dict[str, float]:
     loss, metrics = loss_fn(model, batch)
     booster.backward(loss / accum, optimizer)

@@ -55,13 +55,18 @@ def check_parallel(tp: int, sp_mode: str, lora: bool, command: str = "grpo") -> 
         )
 
 
-def hybrid_plugin(model: nn.Module, plugin: str, tp: int, sp_mode: str) -> Any:
-    """The HybridPlugin for ``model`` with gathered logits (``plugin`` picks ZeRO over dp)."""
+def hybrid_plugin(
+    model: nn.Module, plugin: str, tp: int, sp_mode: str, pipeline: dict[str, Any] | None = None
+) -> Any:
+    """The HybridPlugin for ``model`` with gathered logits (``plugin`` picks ZeRO over dp;
+    ``pipeline``: its pp options, trainer/pp.py)."""
     from megalith.booster.plugins import HybridPlugin
     from megalith.policies import policy_for
 
     plan = replace(policy_for(model).plan_for(model), gather_logits=True)
-    return HybridPlugin(tp_size=tp, sp_mode=sp_mode, zero_stage=ZERO_STAGES[plugin], policy=plan)
+    return HybridPlugin(
+        tp_size=tp, sp_mode=sp_mode, zero_stage=ZERO_STAGES[plugin], policy=plan, **(pipeline or {})
+    )
 
 
 def pad_sequence_to_multiple(model: nn.Module, multiple: int) -> None:

@@ -20,6 +20,7 @@ from megalith_chat.modeling import (
 from megalith_chat.rollout.generation import pad_token_id
 from megalith_chat.trainer.loop import LoopConfig, train_loop
 from megalith_chat.trainer.parallel import check_parallel, pad_sequence_to_multiple
+from megalith_chat.trainer.pp import check_pipeline, pipeline_options, resolve_microbatches, sft_step
 from megalith_chat.trainer.setup import make_booster, make_optimizer
 from megalith_chat.trainer.supervised import (
     ListDataset,
@@ -63,16 +64,27 @@ def _model_and_data(
     return model, data, pair_collate(pad)
 
 
+def _pipeline(args: argparse.Namespace) -> dict[str, Any]:
+    """HybridPlugin pp options of ``--pp / --pp-schedule / --num-microbatches`` (checked first)."""
+    pp, schedule = getattr(args, "pp", 1), getattr(args, "pp_schedule", "1f1b")
+    check_pipeline(pp, args.tp, args.lora_r > 0, args.command, schedule)
+    if pp == 1:
+        return {}
+    m = resolve_microbatches(pp, args.batch_size, args.num_microbatches, "examples of --batch-size")
+    return pipeline_options(pp, schedule, m)
+
+
 def run_supervised_command(args: argparse.Namespace) -> list[dict[str, float]]:
     """One sft / dpo / rm run (inside an initialised process group, or a single process)."""
     import torch
 
     check_parallel(args.tp, args.sp_mode, args.lora_r > 0, args.command)  # before any model loads
+    pipeline = _pipeline(args)
     torch.manual_seed(args.seed)
     model_dir = resolve_model(args.model, args.data_dir)
     tokenizer = load_tokenizer_dir(model_dir)
     model, dataset, collate = _model_and_data(args, model_dir, tokenizer)
-    booster = make_booster(args.plugin, args.precision, args.tp, args.sp_mode, model)
+    booster = make_booster(args.plugin, args.precision, args.tp, args.sp_mode, model, pipeline)
     optimizer = make_optimizer(model, args.lr)
     model, optimizer, *_ = booster.boost(model, optimizer)
     if args.sp_mode == "split_gather":
@@ -88,7 +100,8 @@ def run_supervised_command(args: argparse.Namespace) -> list[dict[str, float]]:
         resume=args.resume,
         out_dir=args.out,
     )
-    rows = train_loop(booster, model, optimizer, loader, loss_fn, config, progress=not args.no_progress)
+    step = sft_step if pipeline else None  # the pipeline computes sft_loss from its logits (trainer/pp.py)
+    rows = train_loop(booster, model, optimizer, loader, loss_fn, config, not args.no_progress, step)
     out = Path(args.out) / "model"
     plain = booster.unwrap(model)
     if is_peft(plain):

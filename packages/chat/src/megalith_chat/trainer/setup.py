@@ -24,18 +24,20 @@ def make_booster(
     tp: int = 1,
     sp_mode: str = "none",
     model: nn.Module | None = None,
+    pipeline: dict[str, Any] | None = None,
 ) -> Booster:
-    """``ddp`` | ``zero1`` | ``zero2`` with ``fp32`` | ``bf16`` | ``fp16``; with ``tp > 1`` the
-    hybrid plugin (tensor parallel over tp, ``plugin`` over dp; see trainer/parallel.py), which
-    needs the ``model`` for its plan."""
+    """``ddp`` | ``zero1`` | ``zero2`` with ``fp32`` | ``bf16`` | ``fp16``; with ``tp > 1`` or a
+    ``pipeline`` (HybridPlugin pp options, trainer/pp.py) the hybrid plugin (tensor parallel over tp,
+    pipeline stages over pp, ``plugin`` over dp; see trainer/parallel.py), which needs the ``model``
+    for its plan."""
     if plugin not in PLUGINS:
         raise ConfigError(f"unknown plugin {plugin!r}; expected one of {PLUGINS}")
     if precision not in PRECISIONS:
         raise ConfigError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
-    if tp > 1:
+    if tp > 1 or pipeline:
         if model is None:
-            raise ConfigError(f"make_booster(tp={tp}) needs the model (its tensor-parallel plan)")
-        return Booster(plugin=hybrid_plugin(model, plugin, tp, sp_mode), precision=precision)
+            raise ConfigError(f"make_booster(tp={tp}, pipeline={pipeline}) needs the model (its plan)")
+        return Booster(plugin=hybrid_plugin(model, plugin, tp, sp_mode, pipeline), precision=precision)
     chosen = DDPPlugin() if plugin == "ddp" else ZeroPlugin(stage=int(plugin[-1]))
     return Booster(plugin=chosen, precision=precision)
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from megalith.common.errors import ConfigError
 from megalith.pipeline.executor import Criterion, PipelineExecutor
-from megalith.pipeline.p2p import PipeP2P
+from megalith.pipeline.p2p import PipeP2P, Recv, Send
 from megalith.pipeline.schedule import Schedule
 from megalith.pipeline.schedules import make_schedule
 from megalith.pipeline.stage import Microbatch, layer_costs, make_stages, prune, stage_ranges
@@ -124,7 +124,37 @@ class PipelineEngine:
         """Forward and backward of every microbatch of `batch`; returns the loss Σ_i ℓ_i on every
         rank of the pipeline group (broadcast from the rank holding the last stage)."""
         mbs = split_microbatches(batch, self.config.microbatches)
-        loss = self.executor.run(mbs, criterion, loss_scale)
+        return self._share_loss(self.executor.run(mbs, criterion, loss_scale))
+
+    def forward_only(self, batch: Any, criterion: Criterion) -> torch.Tensor:
+        """Σ_i criterion(y_i, mb_i) / m without backward (evaluation; call it under `torch.no_grad()`):
+        each microbatch passes the stages in order (GPipe's forward half, for any v), activations
+        travel on the training channels (non-blocking sends, blocking receives). Returns the loss on
+        every rank of the pipeline group."""
+        mbs = split_microbatches(batch, self.config.microbatches)
+        comm, last = self.executor.comm, self.schedule.num_stages - 1
+        total: torch.Tensor | None = None
+        for mb in mbs:
+            x: torch.Tensor | None = None
+            for s in sorted(self.stages):
+                prev = self.schedule.stage_rank(s - 1) if s > 0 else self.rank
+                if prev != self.rank:  # else x is stage s−1's output, computed just before
+                    assert comm is not None
+                    (x,) = comm.exchange([], [Recv(prev, ("F", s - 1))])
+                y = self.stages[s].forward(x, mb)
+                if s == last:
+                    loss = criterion(y, mb).detach() / len(mbs)
+                    total = loss if total is None else total + loss
+                elif self.schedule.stage_rank(s + 1) != self.rank:
+                    assert comm is not None
+                    comm.exchange([Send(y, self.schedule.stage_rank(s + 1), ("F", s))], [])
+                x = y
+        if comm is not None:
+            comm.finish()
+        return self._share_loss(total)
+
+    def _share_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
+        """The last stage's loss, broadcast over the pipeline group (zeros elsewhere before)."""
         out = loss.detach().float().reshape(()) if loss is not None else torch.zeros(())
         if dist.is_initialized() and self.config.pp_size > 1:
             src = (

@@ -152,7 +152,8 @@ def _attention_kinds(config: Any, n: int) -> list[str]:
 class DecoderStage:
     """Stage `index` of an HF decoder: [embed] → layers[start:stop] → [norm → lm_head].
 
-    Input `[b, s, h]` hidden states (None on stage 0, which embeds `mb["input_ids"]`); output
+    Input `[b, s, h]` hidden states (None on stage 0, which embeds `mb["input_ids"]`); position ids
+    `mb["position_ids"]` `[b, s]` when the microbatch has them, else 0..s−1; output
     `[b, s, h]`, or the logits `[b, s, V]` (a vocabulary block under tensor parallelism) on the last."""
 
     def __init__(self, model: nn.Module, index: int, layers: range, is_last: bool, checkpointed: int) -> None:
@@ -198,7 +199,9 @@ class DecoderStage:
             x = inner.embed_tokens(ids)
         assert x is not None
         b, s = ids.shape
-        pos = torch.arange(s, device=x.device).unsqueeze(0)
+        pos = mb.get("position_ids")  # as HF: given (e.g. left-padded prompts) or 0..s-1
+        if pos is None:
+            pos = torch.arange(s, device=x.device).unsqueeze(0)
         # Under sequence parallelism x may be a sequence shard: mask and rotary need the full length.
         dummy = x.new_zeros(()).expand(b, s, x.shape[-1])
         cos_sin = inner.rotary_emb(dummy, pos)

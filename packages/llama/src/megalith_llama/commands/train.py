@@ -86,6 +86,26 @@ def add_training_flags(p: argparse.ArgumentParser, output: str) -> None:
         choices=["none", "split_gather", "all_to_all"],
         help="sequence parallelism on the tp group: Megatron-SP (split_gather) or Ulysses (all_to_all)",
     )
+    p.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline-parallel stages (>1 uses the hybrid plugin: decoder layers split over pp ranks, "
+        "embedding on the first, norm + LM head on the last; world = dp x pp x tp)",
+    )
+    p.add_argument(
+        "--pp-schedule",
+        default=d.pp_schedule,
+        choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"],
+        help=f"pipeline schedule (default {d.pp_schedule}); interleaved and zb-v put 2 stages on each rank",
+    )
+    p.add_argument(
+        "--num-microbatches",
+        type=int,
+        default=None,
+        help="microbatches per pipeline step; must divide --batch-size and be >= --pp "
+        "(default: 2 x pp, or the batch size when smaller)",
+    )
     p.add_argument("--lora", action="store_true", help="train LoRA adapters (peft) instead of all weights")
     p.add_argument("--lora-rank", type=int, default=d.lora_rank, help="LoRA rank")
     p.add_argument("--seed", type=int, default=d.seed, help="random seed")

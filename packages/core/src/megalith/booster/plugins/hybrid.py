@@ -32,7 +32,11 @@ from megalith.booster.optim_state import _meta
 from megalith.booster.plugins import hybrid_pp
 from megalith.booster.plugins.base import Boosted, MemoryPlan, Plugin, fp32_snapshot
 from megalith.booster.plugins.hybrid_optim import TPReplicatedOptimizer, TPZeroOptimizer, load_pieces
-from megalith.booster.plugins.hybrid_plan import hybrid_memory_plan, local_parameter_counts
+from megalith.booster.plugins.hybrid_plan import (
+    hybrid_memory_plan,
+    local_parameter_counts,
+    pipeline_memory_plans,
+)
 from megalith.booster.plugins.registry import register_plugin
 from megalith.booster.precision import Precision
 from megalith.checkpoint import (
@@ -195,11 +199,11 @@ class HybridPlugin(Plugin):
     def memory_plan(
         self, num_params: int, num_trainable: int, world_size: int, precision: Precision
     ) -> MemoryPlan:
-        """Approximation from counts alone (every parameter sharded over tp); `plan(model, ...)` uses
-        `model_memory_plan`, which counts replicated parameters at full size."""
-        tp = self.config.tp_size
-        dims = ParallelDims(world_size, tp=tp)
-        b, phi, psi = precision.param_bytes, num_params // tp, num_trainable // tp
+        """Approximation from counts alone (every parameter sharded over tp, pp stages of equal size);
+        `plan(model, ...)` uses `model_memory_plan`, which counts each parameter where it lives."""
+        tp, pp = self.config.tp_size, self.config.pp_size
+        dims = ParallelDims(world_size, tp=tp, pp=pp)
+        b, phi, psi = precision.param_bytes, num_params // (tp * pp), num_trainable // (tp * pp)
         master = 4 if precision.mixed else 0
         stage = self.config.zero_stage
         states = (8 + master) * psi // (dims.dp if stage else 1)
@@ -212,9 +216,12 @@ class HybridPlugin(Plugin):
         """Per-rank bytes with each parameter counted as one tp rank holds it (booster/plugins/hybrid_plan.py):
         norms, row-parallel biases and everything under all_to_all at full size, vocabulary padded."""
         ParallelDims(world_size, tp=self.config.tp_size, pp=self.config.pp_size)  # the size checks first
+        if self.config.pp_size > 1:  # each pp rank counts its own stages; the largest (hybrid_plan.py)
+            plans = pipeline_memory_plans(
+                self.name, model, self.plan_for(model), self.config, world_size, precision
+            )
+            return max(plans, key=lambda p: p.total)
         counts = local_parameter_counts(model, self.plan_for(model), self.config.tp_size, self.config.sp_mode)
-        if self.config.pp_size > 1:  # stages split the layers: the count-based formula above
-            return self.memory_plan(counts[2], counts[3], world_size, precision)
         return hybrid_memory_plan(
             self.name, counts, self.config.tp_size, self.config.zero_stage, world_size, precision
         )

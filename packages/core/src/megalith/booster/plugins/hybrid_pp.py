@@ -285,10 +285,14 @@ def execute_pipeline(
     return_loss: bool = True,
 ) -> dict[str, Any]:
     """Forward + backward of `next(data_iter)` (this dp rank's batch) through the pipeline; then
-    the gradient reduction (unless inside `no_sync`). Returns {"loss": Σ_i ℓ_i or None, "outputs": None}."""
+    the gradient reduction (unless inside `no_sync`). Returns {"loss": Σ_i ℓ_i or None, "outputs": None}.
+    Under `torch.no_grad()` only the forward passes run (no gradients, no reduction): evaluation."""
     state: PipelineState | None = plugin.pipeline
     if state is None:
         raise ConfigError("execute_pipeline needs HybridPlugin(pp_size > 1) and a boosted model")
+    if not torch.is_grad_enabled():  # evaluation: forward only (ColossalAI's rule under no_grad)
+        loss = state.engine.forward_only(next(data_iter), criterion or default_criterion(model))
+        return {"loss": loss if return_loss else None, "outputs": None}
     scale = optimizer.scaler.scale if optimizer is not None and optimizer.scaler is not None else 1.0
     loss = state.engine.step(next(data_iter), criterion or default_criterion(model), scale)
     if optimizer is not None and optimizer.sync_gradients:
