@@ -168,3 +168,28 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     LlamaForCausalLM(config).save_pretrained(str(path))
     return path
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory, chat_tokenizer: Any) -> Path:
+    """A tiny random Llama (hidden 32, 2 layers, GQA 4/2) saved with the chat tokenizer; read-only for tests."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny_llama")
+    chat_tokenizer.save_pretrained(str(path))
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(chat_tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=chat_tokenizer.pad_token_id,
+        eos_token_id=chat_tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    LlamaForCausalLM(config).save_pretrained(str(path))
+    return path

@@ -96,29 +96,6 @@ def _sft_argv(model_dir: Path, data: Path, out: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory, chat_tokenizer: Any) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("tiny_pp")
-    chat_tokenizer.save_pretrained(str(path))
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(chat_tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=chat_tokenizer.pad_token_id,
-        eos_token_id=chat_tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
-    LlamaForCausalLM(config).save_pretrained(str(path))
-    return path
-
-
 def test_pp2_grpo_step_weight_payload_and_sft_match_one_process(model_dir: Path, tmp_path: Path) -> None:
     from transformers import LlamaForCausalLM
 

@@ -4,37 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 
 from megalith_chat.cli import main
 from megalith_chat.metrics import read_metrics
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory, chat_tokenizer: Any) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("tiny")
-    chat_tokenizer.save_pretrained(str(path))
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(chat_tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=chat_tokenizer.pad_token_id,
-        eos_token_id=chat_tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
-    LlamaForCausalLM(config).save_pretrained(str(path))
-    return path
-
 
 PAIRS = [
     ("what is two plus two", "four", "two two"),
