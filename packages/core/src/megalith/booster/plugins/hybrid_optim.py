@@ -36,17 +36,26 @@ def _sum_over(grads: list[torch.Tensor], group: Group, scale: float = 1.0) -> No
         offset += g.numel()
 
 
-def tp_grad_norm(opt: BoostedOptimizer, info: TensorParallelInfo, group: Group) -> float:
-    """‖g‖₂ over every rank: tp-sharded pieces everywhere, replicated pieces on tp rank 0 only."""
-    tp_rank = dist.get_rank(info.group) if dist.is_initialized() else 0
+def tp_grad_sq(
+    opt: BoostedOptimizer, info: TensorParallelInfo, skip: frozenset[str] = frozenset()
+) -> torch.Tensor:
+    """This rank's Σ g² (fp64): tp-sharded pieces on every tp rank, replicated pieces on tp rank 0
+    only; pieces named in `skip` (e.g. a tied copy counted elsewhere) are left out."""
+    tp_rank = dist.get_rank(info.group) if info.size > 1 else 0
     local = torch.zeros((), dtype=torch.float64)
     for master, refs in opt.owned():
         if master.grad is None:
             continue
         flat = master.grad.detach().reshape(-1)
         for ref in refs:
-            if ref.name in info.sharded or tp_rank == 0:
+            if ref.name not in skip and (ref.name in info.sharded or tp_rank == 0):
                 local += flat[ref.offset : ref.offset + ref.end - ref.start].double().pow(2).sum().cpu()
+    return local
+
+
+def tp_grad_norm(opt: BoostedOptimizer, info: TensorParallelInfo, group: Group) -> float:
+    """‖g‖₂ over every rank of `group`: `tp_grad_sq` summed there."""
+    local = tp_grad_sq(opt, info)
     if dist.is_initialized():
         dist.all_reduce(local, group=group)
     return math.sqrt(float(local))

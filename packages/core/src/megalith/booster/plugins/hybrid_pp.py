@@ -27,7 +27,12 @@ from torch import nn
 
 from megalith.booster.optim_state import _meta
 from megalith.booster.plugins.base import Boosted, unique_state
-from megalith.booster.plugins.hybrid_optim import TPReplicatedOptimizer, TPZeroOptimizer, _sum_over
+from megalith.booster.plugins.hybrid_optim import (
+    TPReplicatedOptimizer,
+    TPZeroOptimizer,
+    _sum_over,
+    tp_grad_sq,
+)
 from megalith.booster.precision import Precision
 from megalith.checkpoint import write_meta, write_pieces
 from megalith.common.errors import ConfigError
@@ -197,15 +202,7 @@ class _PipelineGrads:
 
     def _pp_norm(self, replicated_over_dp: bool) -> float:
         opt: BoostedOptimizer = self  # type: ignore[assignment]
-        tp_rank = dist.get_rank(self.info.group) if self.info.size > 1 else 0
-        local = torch.zeros((), dtype=torch.float64)
-        for master, refs in opt.owned():
-            if master.grad is None:
-                continue
-            flat = master.grad.detach().reshape(-1)
-            for ref in refs:
-                if ref.name not in self._skip and (ref.name in self.info.sharded or tp_rank == 0):
-                    local += flat[ref.offset : ref.offset + ref.end - ref.start].double().pow(2).sum().cpu()
+        local = tp_grad_sq(opt, self.info, self._skip)
         dist.all_reduce(local)
         if replicated_over_dp:
             local /= dist.get_world_size(self.dp_group)
