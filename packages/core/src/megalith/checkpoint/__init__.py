@@ -1,11 +1,19 @@
 """Atomic checkpoints: HF safetensors model dirs, resharding optimizer pieces, training state (layer 4)."""
 
 from megalith.checkpoint.atomic import commit, fresh_staging, fsync_dir, fsync_tree, resolve, staging_path
-from megalith.checkpoint.model_io import read_model_into, weight_files, write_model
+from megalith.checkpoint.model_io import (
+    read_model_into,
+    unique_state,
+    unique_tensors,
+    weight_files,
+    write_model,
+)
 from megalith.checkpoint.optimizer_io import OptimPiece, PieceReader, write_meta, write_pieces
 from megalith.checkpoint.state_io import read_json, read_rng, restore_rng, write_json, write_rng
 
 __all__ = [
+    "unique_state",
+    "unique_tensors",
     "OptimPiece",
     "PieceReader",
     "commit",

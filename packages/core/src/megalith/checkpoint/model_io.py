@@ -13,6 +13,23 @@ from torch import nn
 
 from megalith.common.errors import CheckpointError
 
+
+def unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` without the later names of tensors it holds more than once (tied parameters)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in state.items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out[name] = t
+    return out
+
+
+def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model.state_dict(keep_vars=True)` without the later names of tied tensors."""
+    return unique_tensors(model.state_dict(keep_vars=True))
+
+
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 

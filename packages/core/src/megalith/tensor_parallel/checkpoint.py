@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalith.checkpoint import OptimPiece, PieceReader
+from megalith.checkpoint import OptimPiece, PieceReader, unique_state
 from megalith.common.errors import CheckpointError
 from megalith.optim import BoostedOptimizer
 from megalith.tensor_parallel.comm import Group, group_size
@@ -67,23 +67,13 @@ def full_shapes(model: nn.Module) -> dict[str, tuple[list[int], str]]:
     return out
 
 
-def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) not in seen:
-            seen.add(id(t))
-            out[name] = t
-    return out
-
-
 def full_model_pieces(
     model: nn.Module, group: Group, rank: int, world: int
 ) -> list[tuple[str, int, int, torch.Tensor]]:
     """(name, 0, numel, full flat values) of the tensors this rank writes in a sharded model save:
     tensor i (tied ones once) is gathered by its tp group and written by global rank i mod world."""
     out = []
-    for index, (name, t) in enumerate(_unique_state(model).items()):
+    for index, (name, t) in enumerate(unique_state(model).items()):
         spec = shard_spec(t)
         full = gather_full(t.detach(), spec, group) if spec is not None else t.detach()
         if index % world == rank:
@@ -94,7 +84,7 @@ def full_model_pieces(
 def load_full_pieces(model: nn.Module, reader: Any) -> None:
     """Fill a tp-sharded model from `reader.read(name, start, end)` ranges of full tensors (an HF
     directory or any sharded model checkpoint): each rank slices its blocks."""
-    state = _unique_state(model)
+    state = unique_state(model)
     missing = sorted(set(state) - reader.names())
     if missing:
         raise CheckpointError(f"checkpoint {reader.directory} has no tensor {missing[0]!r}")

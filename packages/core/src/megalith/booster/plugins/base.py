@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalith.booster.precision import Precision
+from megalith.checkpoint import unique_state
 from megalith.common.errors import CheckpointError
 from megalith.optim import BoostedOptimizer
 
@@ -126,17 +127,6 @@ class Plugin(ABC):
                 t.copy_(reader.read(name, 0, t.numel()).view(t.shape))
         if optimizer is not None:
             optimizer.load_masters_from_model()
-
-
-def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """`model.state_dict(keep_vars=True)` without the later names of tied tensors."""
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) not in seen:
-            seen.add(id(t))
-            out[name] = t
-    return out
 
 
 def fp32_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -44,6 +44,7 @@ from megalith.checkpoint import (
     fresh_staging,
     resolve,
     staging_path,
+    unique_tensors,
     write_meta,
     write_pieces,
 )
@@ -234,11 +235,7 @@ class HybridPlugin(Plugin):
         if self.pipeline is not None:  # collective over pp too: full-model names and order
             yield from hybrid_pp.export_state(self, model)
             return
-        seen: set[int] = set()
-        for name, t in full_state_dict(model, self.tp_group).items():
-            if id(t) not in seen:
-                seen.add(id(t))
-                yield name, t
+        yield from unique_tensors(full_state_dict(model, self.tp_group)).items()
 
     def model_pieces(self, model: nn.Module) -> list[tuple[str, int, int, torch.Tensor]]:
         """Full-tensor pieces for `booster.save_state` (each tensor written by one rank)."""
