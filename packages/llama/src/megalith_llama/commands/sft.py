@@ -3,14 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import os
 
-from megalith_llama.commands.train import (
-    add_training_flags,
-    config_from_args,
-    print_summary,
-    relaunch_if_needed,
-)
+from megalith_llama.commands.train import add_training_flags, run
 
 HELP = "supervised fine-tuning on {'messages': [...]} jsonl (loss on assistant tokens only)"
 
@@ -31,16 +25,4 @@ def register(sub: argparse._SubParsersAction, parent: argparse.ArgumentParser) -
         default=0.0,
         help="NEFTune noise on input embeddings during training (Jain et al. 2023; 5 is typical, 0 = off)",
     )
-    p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    code = relaunch_if_needed(args)
-    if code is not None:
-        return code
-    from megalith_llama.train import run_training
-
-    result = run_training(config_from_args(args))  # type: ignore[arg-type]
-    if int(os.environ.get("RANK", "0")) == 0:
-        print_summary(result)
-    return 0
+    p.set_defaults(func=run)  # the same run as train: the config's sft_data selects SFT
