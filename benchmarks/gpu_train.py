@@ -1,12 +1,13 @@
 """Training throughput of the 1.1B TinyLlama shape on one GPU: HF eager, HF + torch.compile,
-HF + Liger-Kernel, megalith (Booster: kernels=True, compile=True, ZeroPlugin(stage=2), bf16).
+HF + Liger-Kernel, megalith (Booster: kernels=True, compile=True, ZeroPlugin(stage=2), bf16-true).
 
 Every system runs in a fresh subprocess (no cross-contamination of caches, compiled graphs or
 allocator state) on the same micro-batch (batch 8 × 2048, no accumulation), SDPA attention and a
 fused AdamW. MFU = tokens/s × (6·N_nonembed + 12·layers·hidden·seq) / 768e12, with N_nonembed all
-parameters but the input embedding (the untied LM head counts). Peers train in pure bf16 (bf16
-weights and AdamW states, torch AdamW(fused=True)); megalith keeps fp32 master weights and fp32
-AdamW states (its `precision="bf16"`) and steps them with `megalith.kernels.FusedAdamW`.
+parameters but the input embedding (the untied LM head counts). Every system trains in pure bf16
+(bf16 weights, gradients and AdamW states): the peers with torch AdamW(fused=True), megalith with
+`precision="bf16-true"` and `megalith.kernels.FusedAdamW`. `megalith_mixed` is the same Booster with
+fp32 master weights and states (`precision="bf16"`) for reference.
 
     python benchmarks/gpu_train.py                       # GPU, writes results/gpu_train_h200.json
     python benchmarks/gpu_train.py --device cpu --tiny   # smoke test (tiny shape, eager + megalith)
@@ -29,9 +30,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import environment, write_result
 
 PEAK_FLOPS = 768e12  # measured bf16 dense matmul ceiling of one H200 (see the project's issue)
-SYSTEMS = ("hf_eager", "hf_compile", "hf_liger", "megalith", "megalith_eager", "kernels_bf16")
-# megalith_eager: the Booster path without compile; kernels_bf16: megalith's kernel policy on the
-# peers' regime (pure bf16, torch fused AdamW, no Booster) - the like-for-like kernel comparison.
+SYSTEMS = (
+    "hf_eager",
+    "hf_compile",
+    "hf_liger",
+    "megalith",
+    "megalith_eager",
+    "megalith_mixed",
+    "kernels_bf16",
+)
+DEFAULT_SYSTEMS = ("hf_eager", "hf_compile", "hf_liger", "megalith", "megalith_eager")
+# megalith_eager: the Booster path without compile; megalith_mixed: with fp32 masters; kernels_bf16:
+# megalith's kernel policy alone (torch fused AdamW, no Booster) - the like-for-like kernel comparison.
 TINYLLAMA = dict(
     vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
     num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
@@ -57,7 +67,8 @@ def build(system: str, args: argparse.Namespace, device: torch.device) -> tuple[
     with device:
         model = LlamaForCausalLM(config)
     if system.startswith("megalith"):
-        return _megalith(model, args, device, compile=system == "megalith" and device.type == "cuda")
+        compile = system != "megalith_eager" and device.type == "cuda"
+        return _megalith(model, device, compile=compile, mixed=system == "megalith_mixed")
     model.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
     if system == "kernels_bf16":
         from megalith.policies.kernels import apply_kernels
@@ -78,14 +89,12 @@ def build(system: str, args: argparse.Namespace, device: torch.device) -> tuple[
     return model, step, {"optimizer": f"torch AdamW({'fused' if fused else 'foreach'})", "weights": "bf16"}
 
 
-def _megalith(
-    model: Any, args: argparse.Namespace, device: torch.device, compile: bool
-) -> tuple[Any, Any, Any]:
+def _megalith(model: Any, device: torch.device, compile: bool, mixed: bool) -> tuple[Any, Any, Any]:
     from megalith.booster import Booster
     from megalith.booster.plugins import ZeroPlugin
     from megalith.kernels import FusedAdamW
 
-    precision = "bf16" if device.type == "cuda" else "fp32"
+    precision = "fp32" if device.type != "cuda" else "bf16" if mixed else "bf16-true"
     booster = Booster(plugin=ZeroPlugin(stage=2), precision=precision, kernels=True, compile=compile)
     opt = FusedAdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     model, opt, *_ = booster.boost(model, opt)
@@ -97,7 +106,8 @@ def _megalith(
         opt.zero_grad()
         return loss
 
-    return model, step, {"optimizer": "megalith FusedAdamW", "weights": f"{precision} + fp32 masters"}
+    weights = {"bf16": "bf16 + fp32 masters", "bf16-true": "bf16"}.get(precision, precision)
+    return model, step, {"optimizer": "megalith FusedAdamW", "weights": weights, "compile": compile}
 
 
 def child(system: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -127,7 +137,7 @@ def child(system: str, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "name": system, "tokens_per_s": tokens_per_s, "step_s": elapsed / args.steps,
         "mfu": tokens_per_s * flops_per_token / PEAK_FLOPS, "peak_mem_GiB": peak,
-        "final_loss": float(loss), "warmup_s": warmup_s, "n_nonembed": n_nonembed, **info,
+        "final_loss": float(loss.detach()), "warmup_s": warmup_s, "n_nonembed": n_nonembed, **info,
     }  # fmt: skip
 
 
@@ -151,7 +161,7 @@ def _sync(device: torch.device) -> None:
 
 
 def parent(args: argparse.Namespace) -> list[dict[str, Any]]:
-    systems = args.systems or (SYSTEMS if args.device == "cuda" else ("hf_eager", "megalith"))
+    systems = args.systems or (DEFAULT_SYSTEMS if args.device == "cuda" else ("hf_eager", "megalith"))
     rows = []
     for system in systems:
         cmd = [sys.executable, __file__, "--child", system, *_forward_args(args)]

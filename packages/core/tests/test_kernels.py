@@ -155,6 +155,20 @@ def test_swiglu_forward_backward(backend, rows, n, seed):
 
 
 @FEW
+@given(rows=st.integers(1, 5), n=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_swiglu_backward_rebuilds_the_hidden(backend, rows, n, seed):
+    """swiglu_bwd_h on [g | u] halves of one strided buffer: the gradients of swiglu_bwd plus h."""
+    torch.manual_seed(seed)
+    gu = torch.randn(rows, 2 * n, device=DEVICE).to(DTYPE)
+    g, u = gu[:, :n], gu[:, n:]
+    dy = torch.randn(rows, n, device=DEVICE).to(DTYPE)
+    dgu, h = get_kernel("swiglu_bwd_h", backend)(dy, g, u)
+    gf, uf = g.float(), u.float()
+    _close(h, F.silu(gf) * uf, TOL[0], "h")
+    _close(dgu, get_kernel("swiglu_bwd", "torch")(dy, g, u), TOL[0], "[dg | du]")
+
+
+@FEW
 @given(
     tokens=st.integers(1, 6), hidden=st.integers(2, 12), inter=st.integers(1, 20), seed=st.integers(0, 2**16)
 )

@@ -36,6 +36,7 @@ from torch import nn
 from megalith.common.errors import ConfigError
 from megalith_chat.engine import fast_ops
 from megalith_chat.engine.fast_attention import choose_attention, decode_attention
+from megalith_chat.engine.fast_prologue import rope_store, rope_store_reference, supported
 from megalith_chat.engine.fast_state import DecodeState
 from megalith_chat.engine.fast_weights import EngineWeights, ModelShape, effective_weights, unwrap_peft
 from megalith_chat.engine.sampling import SamplingParams
@@ -50,8 +51,8 @@ SyncHook = Callable[[torch.Tensor], Sequence[int]]
 class FastEngineConfig:
     """Sizes and switches; ``dtype=None`` means bfloat16 on CUDA and float32 on CPU.
 
-    ``cuda_graphs`` and ``compile_ops`` (``torch.compile`` of the elementwise pieces) apply on CUDA
-    only. ``sync_every``: decode steps between host checks (stop strings, all rows finished).
+    ``cuda_graphs``, ``compile_ops`` (``torch.compile`` of the elementwise pieces) and
+    ``fused_prologue`` (:mod:`.fast_prologue`) apply on CUDA only. ``sync_every``: decode steps between host checks (stop strings, all rows finished).
     """
 
     max_batch: int = 64
@@ -62,6 +63,7 @@ class FastEngineConfig:
     kv_block: int = 64
     sync_every: int = 16
     attention: str = "sdpa"  # decode attention: "sdpa", "triton" (split-KV kernel), "auto" = triton on CUDA
+    fused_prologue: bool = True  # CUDA: one Triton kernel splits QKV, applies RoPE and writes the cache
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_len < 2:
@@ -103,6 +105,7 @@ class FastEngine:
         self.ops = fast_ops.Ops.make(cuda and self.config.compile_ops)
         self.compiled_ops = cuda and self.config.compile_ops
         self.attention = choose_attention(self.config.attention, self.device, self.shape.head_dim)
+        self.fused_prologue = cuda and self.config.fused_prologue and supported(self.shape.head_dim)
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
         self.scale = self.shape.head_dim**-0.5
@@ -183,14 +186,15 @@ class FastEngine:
             st.tok[:b], st.slot, st.start[:b], w.embed, self._cos, self._sin, st.arange[:kv_len]
         )
         h = ops.rms_norm(x, w.ln1[0], s.eps)
-        index = st.slot.view(1)
         for i in range(s.layers):
-            q, k, v = ops.split_rope_decode(
-                F.linear(h, w.wqkv[i], w.bqkv[i]), cos, sin, s.kv_heads, s.head_dim
-            )
             kc, vc = self.k_cache[i, :b], self.v_cache[i, :b]
-            kc.index_copy_(2, index, k)
-            vc.index_copy_(2, index, v)
+            qkv = F.linear(h, w.wqkv[i], w.bqkv[i])
+            if self.fused_prologue:
+                q = rope_store(qkv, cos, sin, kc, vc, st.slot, s.kv_heads, s.head_dim)
+            else:
+                q = rope_store_reference(
+                    qkv, cos, sin, kc, vc, st.slot, s.kv_heads, s.head_dim, ops.split_rope_decode
+                )
             if self.attention == "triton":
                 attn = decode_attention(
                     q, kc[:, :, :kv_len], vc[:, :, :kv_len], st.start[:b], st.slot, self.scale

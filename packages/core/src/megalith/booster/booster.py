@@ -77,6 +77,11 @@ class Booster:
         (`megalith.policies.kernels`); `compile=True` runs `torch.compile` on the boosted model."""
         self.plugin = plugin or DDPPlugin()
         self.precision = precision if isinstance(precision, Precision) else Precision(precision)
+        if self.precision.name == "bf16-true" and not self.plugin.supports_bf16_true:
+            raise ConfigError(
+                f"precision 'bf16-true' is implemented for DDPPlugin and ZeroPlugin stages 1-2, "
+                f"not {self.plugin.name}; use precision='bf16' (fp32 masters)"
+            )
         self.kernels, self.compile = kernels, compile
 
     # -- setup ------------------------------------------------------------------------------------

@@ -117,8 +117,11 @@ def swiglu_fwd_kernel(G, U, Y, sg, su, sy, N, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def swiglu_bwd_kernel(DY, G, U, DG, DU, sdy, sg, su, sdg, sdu, N, BLOCK: tl.constexpr):
-    """du = dy·silu(g); dg = dy·u·σ(g)·(1 + g·(1 − σ(g)))."""
+def swiglu_bwd_kernel(
+    DY, G, U, DG, DU, H, sdy, sg, su, sdg, sdu, sh, N, BLOCK: tl.constexpr, STORE_H: tl.constexpr
+):  # fmt: skip
+    """du = dy·silu(g); dg = dy·u·σ(g)·(1 + g·(1 − σ(g))); with STORE_H also h = silu(g)·u (the
+    forward's output, rebuilt from the values already loaded instead of by a second kernel)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -127,6 +130,8 @@ def swiglu_bwd_kernel(DY, G, U, DG, DU, sdy, sg, su, sdg, sdu, N, BLOCK: tl.cons
     u = tl.load(U + row * su + cols, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(g)
     tl.store(DU + row * sdu + cols, (dy * g * sig).to(DU.dtype.element_ty), mask=mask)
+    if STORE_H:
+        tl.store(H + row * sh + cols, (g * sig * u).to(H.dtype.element_ty), mask=mask)
     dg = dy * u * sig * (1.0 + g * (1.0 - sig))
     tl.store(DG + row * sdg + cols, dg.to(DG.dtype.element_ty), mask=mask)
 

@@ -15,6 +15,7 @@ _rms_bwd = get_kernel("rms_norm_bwd")
 _rope = get_kernel("rope")
 _swiglu_fwd = get_kernel("swiglu_fwd")
 _swiglu_bwd = get_kernel("swiglu_bwd")
+_swiglu_bwd_h = get_kernel("swiglu_bwd_h")
 _ce_rows = get_kernel("ce_rows")
 
 
@@ -68,6 +69,32 @@ def _(dy: Tensor, g: Tensor, u: Tensor) -> Tensor:
     return g.new_empty(g.shape[0], 2 * g.shape[1])
 
 
+@torch.library.custom_op("megalith::swiglu_bwd_h", mutates_args=())
+def swiglu_bwd_h(dy: Tensor, g: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+    return _swiglu_bwd_h(dy, g, u)
+
+
+@swiglu_bwd_h.register_fake
+def _(dy: Tensor, g: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+    return g.new_empty(g.shape[0], 2 * g.shape[1]), g.new_empty(g.shape)
+
+
+@torch.library.custom_op("megalith::gate_up", mutates_args=())
+def gate_up(x: Tensor, w_gate: Tensor, w_up: Tensor) -> Tensor:
+    """[x Wgᵀ | x Wuᵀ] as one [M, 2I] tensor: two matmuls writing the halves in place (strided
+    outputs, which `torch.compile` cannot trace — hence an op), no concatenated weight."""
+    n = w_gate.shape[0]
+    out = x.new_empty(x.shape[0], 2 * n)
+    torch.mm(x, w_gate.t(), out=out[:, :n])
+    torch.mm(x, w_up.t(), out=out[:, n:])
+    return out
+
+
+@gate_up.register_fake
+def _(x: Tensor, w_gate: Tensor, w_up: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], 2 * w_gate.shape[0])
+
+
 def chunk_rows(tokens: int, vocab: int, hidden: int) -> int:
     """Rows per logits chunk: a power of two near T / ⌈V / 2H⌉, so one [rows, V] chunk holds about
     as many elements as two [T, H] activations (TinyLlama at 16k tokens: 2048 rows, 8 chunks)."""
@@ -96,11 +123,22 @@ def fused_linear_ce(
         loss += _ce_rows(logits, labels[s : s + step], scale, ignore_index).sum()
         if with_grad:
             torch.mm(logits, w, out=dh[s : s + step])
-            if w.dtype == torch.float32:
-                dw.addmm_(logits.t(), hc)
-            else:
-                dw += logits.t() @ hc
+            _accumulate_mm(dw, logits.t(), hc)
     return loss, dh, dw.to(w.dtype) if with_grad else dw
+
+
+def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc (fp32) += a @ b: one matmul with fp32 output and beta = 1 on CUDA (bf16/fp16 inputs),
+    else the product is formed in the inputs' dtype and added."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda and _HAS_ADDMM_OUT_DTYPE:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc += a @ b
+
+
+_HAS_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
 
 
 @fused_linear_ce.register_fake

@@ -96,15 +96,16 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
 
 
 class _SwiGLUMLP(torch.autograd.Function):
-    """down(silu(x Wgᵀ)·(x Wuᵀ)) with gate and up as ONE matmul against [Wg; Wu] and the hidden
-    h = silu(g)·u recomputed in backward instead of saved: per token it keeps x [H] and g, u [I]
-    (2I + H values) where the module keeps x, g, u and h (3I + H)."""
+    """down(silu(x Wgᵀ)·(x Wuᵀ)) with gate and up written side by side into one [M, 2I] buffer and
+    the hidden h = silu(g)·u not saved: the backward's SwiGLU kernel rebuilds it from g, u while it
+    computes their gradients. Per token it keeps x [H] and g, u [I] (2I + H values) where the module
+    keeps x, g, u and h (3I + H); no weight is concatenated (no copy of Wg, Wu per step)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
         n = w_gate.shape[0]
         x2 = _rows(x, x.shape[-1])
-        gu = x2 @ torch.cat((w_gate, w_up)).t()  # [M, 2I]
+        gu = ops.gate_up(x2, w_gate, w_up)
         h = ops.swiglu_fwd(gu[:, :n], gu[:, n:])
         ctx.save_for_backward(x2, gu, w_gate, w_up, w_down)
         return (h @ w_down.t()).view(*x.shape[:-1], w_down.shape[0])
@@ -114,10 +115,10 @@ class _SwiGLUMLP(torch.autograd.Function):
         x2, gu, w_gate, w_up, w_down = ctx.saved_tensors
         n = w_gate.shape[0]
         dy2 = _rows(dy, dy.shape[-1])
-        g, u = gu[:, :n], gu[:, n:]
-        dw_down = dy2.t() @ ops.swiglu_fwd(g, u)
-        dgu = ops.swiglu_bwd(dy2 @ w_down, g, u)  # [M, 2I] = [dg | du]
-        dx = dgu @ torch.cat((w_gate, w_up))
+        dgu, h = ops.swiglu_bwd_h(dy2 @ w_down, gu[:, :n], gu[:, n:])  # [M, 2I] = [dg | du], h [M, I]
+        dw_down = dy2.t() @ h
+        del h
+        dx = torch.addmm(dgu[:, :n] @ w_gate, dgu[:, n:], w_up)
         dw_gu = dgu.t() @ x2
         return dx.view(*dy.shape[:-1], x2.shape[1]), dw_gu[:n], dw_gu[n:], dw_down
 

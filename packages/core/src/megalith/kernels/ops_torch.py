@@ -66,6 +66,12 @@ def swiglu_bwd(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> torch.Tens
     return torch.cat((dg, dyf * gf * sig), dim=-1).to(g.dtype)
 
 
+@register_kernel("swiglu_bwd_h", "torch")
+def swiglu_bwd_h(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(swiglu_bwd, swiglu_fwd) of the same inputs: the backward plus the forward's output h."""
+    return swiglu_bwd(dy, g, u), swiglu_fwd(g, u)
+
+
 @register_kernel("ce_rows", "torch")
 def ce_rows(
     logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, ignore_index: int

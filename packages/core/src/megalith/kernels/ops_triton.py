@@ -101,19 +101,31 @@ def swiglu_fwd(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return y
 
 
-@register_kernel("swiglu_bwd", "triton")
-def swiglu_bwd(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def _swiglu_bwd(
+    dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor, with_h: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     tl_ = _tl()
     m, n = g.shape
     out = torch.empty((m, 2 * n), dtype=g.dtype, device=g.device)
+    h = torch.empty((m, n) if with_h else (0, 0), dtype=g.dtype, device=g.device)
     dg, du = out[:, :n], out[:, n:]
     block, grid = _grid2d(m, n)
     if out.numel():
         tl_.swiglu_bwd_kernel[grid](
-            dy, g, u, dg, du, dy.stride(0), g.stride(0), u.stride(0), dg.stride(0), du.stride(0), n,
-            BLOCK=block,
+            dy, g, u, dg, du, h, dy.stride(0), g.stride(0), u.stride(0), dg.stride(0), du.stride(0),
+            h.stride(0), n, BLOCK=block, STORE_H=with_h,
         )  # fmt: skip
-    return out
+    return out, h
+
+
+@register_kernel("swiglu_bwd", "triton")
+def swiglu_bwd(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return _swiglu_bwd(dy, g, u, False)[0]
+
+
+@register_kernel("swiglu_bwd_h", "triton")
+def swiglu_bwd_h(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _swiglu_bwd(dy, g, u, True)
 
 
 @register_kernel("ce_rows", "triton")

@@ -1,6 +1,7 @@
 """Optimizer wrappers, loss scaling and global-norm clipping (layer 4)."""
 
 from megalith.optim.clip import clip_grads_, global_grad_norm
+from megalith.optim.fused import prefer_fused
 from megalith.optim.grad_scaler import DynamicLossScaler
 from megalith.optim.wrapper import BoostedOptimizer, PieceRef, ReplicatedOptimizer
 
@@ -11,4 +12,5 @@ __all__ = [
     "ReplicatedOptimizer",
     "clip_grads_",
     "global_grad_norm",
+    "prefer_fused",
 ]

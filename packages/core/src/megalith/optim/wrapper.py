@@ -205,20 +205,22 @@ class BoostedOptimizer:
 
 
 class ReplicatedOptimizer(BoostedOptimizer):
-    """For replicated parameters (single process, DDP): fp32 masters only under mixed precision."""
+    """For replicated parameters (single process, DDP): fp32 masters for low-precision parameters
+    unless `masters=False` (then the optimizer steps the parameters in their own dtype)."""
 
     def __init__(
         self,
         optim: torch.optim.Optimizer,
         names: dict[nn.Parameter, str],
         scaler: DynamicLossScaler | None = None,
+        masters: bool = True,
     ) -> None:
         super().__init__(optim, scaler)
         self.model_params: list[nn.Parameter] = [
             p for group in optim.param_groups for p in group["params"] if p.requires_grad
         ]
         self.names = [names[p] for p in self.model_params]
-        self.mixed = any(p.dtype != torch.float32 for p in self.model_params)
+        self.mixed = masters and any(p.dtype != torch.float32 for p in self.model_params)
         self.masters: list[torch.Tensor] = list(self.model_params)
         if self.mixed:
             self._make_masters()

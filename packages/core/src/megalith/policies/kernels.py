@@ -5,7 +5,7 @@ What `apply_kernels(model)` patches (all undone by `remove_kernels(model)`):
 - every ``{Llama,Qwen2,Mistral}RMSNorm`` module → a `KernelRMSNorm` holding the *same* weight
   Parameter (names, optimizer state and checkpoints unchanged);
 - every ``{Llama,Qwen2,Mistral}MLP`` without biases and with SiLU → its instance ``forward`` becomes
-  `swiglu_mlp` (gate and up as one matmul, fused SwiGLU, hidden recomputed in backward);
+  `swiglu_mlp` (gate and up into one buffer, fused SwiGLU, hidden rebuilt by the backward kernel);
 - the model family's module-level ``apply_rotary_pos_emb`` (looked up by the HF attention forward
   at call time) → the rotary kernel (for ``unsqueeze_dim=1``; reference-counted over patched models:
   the original returns when the last one is un-patched; unpatched models of that family in the same

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalith.distributed import all_gather_flat, comm_device, reduce_scatter_flat
-from megalith.optim import BoostedOptimizer, DynamicLossScaler, PieceRef
+from megalith.optim import BoostedOptimizer, DynamicLossScaler, PieceRef, prefer_fused
 from megalith.zero.buckets import FlatBucket, make_buckets
 from megalith.zero.config import ZeroConfig
 
@@ -64,6 +64,8 @@ class ZeroOptimizer(BoostedOptimizer):
             element = params[0][1].element_size() if params else 4
             buckets = make_buckets(params[::-1], config.bucket_numel(element), self.dp_size, self.dp_rank)
             group["params"] = [self._add_bucket(b, master_dtype) for b in buckets]
+        if config.cpu_offload and first is not None and first.device.type != "cpu":
+            prefer_fused(optim)  # the update runs on the host: one fused pass, not ten
         self._register_hooks()
 
     # -- construction ---------------------------------------------------------------------------

@@ -47,6 +47,24 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(x)
 
 
+def _accumulate(seg: Segment, part: torch.Tensor, dp_size: int) -> None:
+    """grad shard += part / N; the first reduction after zero_grad writes it instead (one pass,
+    with the fp32 conversion fused in). An offloaded shard (pinned host memory) is written by an
+    asynchronous device-to-host copy that overlaps the rest of backward: whoever reads it on the
+    host first synchronises (`Zero3Optimizer._master_grads`)."""
+    dst = seg.grad_shard  # type: ignore[attr-defined]
+    if seg.grad_fresh and dst.device != part.device:
+        src = part.float().div_(dp_size) if dp_size > 1 else part
+        dst.copy_(src, non_blocking=dst.is_pinned())
+    elif seg.grad_fresh:
+        dst.copy_(part)
+        if dp_size > 1:
+            dst.div_(dp_size)
+    else:
+        dst.add_(part.to(dst.device, dst.dtype).div_(dp_size))
+    seg.grad_fresh = False
+
+
 class ParamSharder:
     def __init__(
         self,
@@ -190,22 +208,19 @@ class ParamSharder:
             if acc is None:
                 acc = torch.zeros(seg.padded_numel, dtype=seg.dtype, device=seg.flat.device)
             seg.grad_acc = None
-            out = torch.empty(seg.shard_numel, dtype=seg.dtype, device=acc.device)
-            handle = None
+            out, handle = acc, None  # one rank: the local sum is the shard
             if self.dp_size > 1:
+                out = torch.empty(seg.shard_numel, dtype=seg.dtype, device=acc.device)
                 handle = reduce_scatter_flat(out, acc, group=self.dp_group, async_op=self.overlap)
-            else:
-                out.copy_(acc)
             self._pending.append((seg, out, acc, handle))
-        if not self.overlap:
+        if not self.overlap or self.dp_size == 1:  # nothing in flight to wait for: write the shard now
             self.finish_reductions()
 
     def finish_reductions(self) -> None:
         for seg, out, _, handle in self._pending:
             if handle is not None:
                 handle.wait()
-            grad_shard = seg.grad_shard  # type: ignore[attr-defined]
-            grad_shard.add_(out.to(grad_shard.device, grad_shard.dtype).div_(self.dp_size))
+            _accumulate(seg, out, self.dp_size)
         self._pending.clear()
 
     def _end_of_backward(self) -> None:

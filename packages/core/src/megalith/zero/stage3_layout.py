@@ -93,6 +93,7 @@ class Segment:
         if shard_device.type == "cpu" and device.type == "cuda":
             self.shard = self.shard.pin_memory()
         self.grad_acc: torch.Tensor | None = None  # full-size local gradients of this backward / no_sync run
+        self.grad_fresh = False  # True after zero_grad until a reduction writes the gradient shard
         free_storage(self.flat)
 
     @property

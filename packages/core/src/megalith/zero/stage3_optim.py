@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalith.distributed import comm_device
-from megalith.optim import BoostedOptimizer, DynamicLossScaler, PieceRef
+from megalith.optim import BoostedOptimizer, DynamicLossScaler, PieceRef, prefer_fused
 from megalith.zero.config import ZeroConfig
 from megalith.zero.stage3 import ParamSharder
 from megalith.zero.stage3_layout import FROZEN, Segment, Unit, check_dtypes, group_parameters
@@ -92,6 +92,7 @@ class Zero3Optimizer(BoostedOptimizer):
             model, names, group_of, config, device, (dp_size, dp_rank)
         )
         on_cuda = device.type == "cuda"
+        self.device = device
         overlap = on_cuda if config.overlap_communication is None else config.overlap_communication
         prefetch = on_cuda if config.prefetch is None else config.prefetch
         self.sharder = ParamSharder(self.units, dp_group, overlap, prefetch)
@@ -108,11 +109,16 @@ class Zero3Optimizer(BoostedOptimizer):
                     per_group[seg.key].append(master)
         for group, masters in zip(optim.param_groups, per_group, strict=True):
             group["params"] = masters
+        self._async_host_grads = on_cuda and bool(self.optim_off)
+        if any(m.device.type == "cpu" for m in self.masters) and device.type != "cpu":
+            prefer_fused(optim)  # the offloaded update runs on the host: one fused pass, not ten
 
     def _make_master(self, unit: Unit, seg: Segment, device: torch.device) -> torch.Tensor:
         optim_host = unit.index in self.optim_off
         where = HOST if optim_host else device
         seg.grad_shard = torch.zeros(seg.shard_numel, dtype=torch.float32, device=where)  # type: ignore[attr-defined]
+        if optim_host and device.type == "cuda":
+            seg.grad_shard = seg.grad_shard.pin_memory()  # type: ignore[attr-defined]
         if seg.dtype == torch.float32 and optim_host == (unit.index in self.param_off):
             return seg.shard  # the parameter shard is the master: no copy
         master = seg.shard.to(where, torch.float32, copy=True)
@@ -133,6 +139,12 @@ class Zero3Optimizer(BoostedOptimizer):
         self.sharder.finish_reductions()
 
     def _master_grads(self) -> list[torch.Tensor]:
+        if self._async_host_grads:  # offloaded gradient shards arrive by asynchronous copies
+            torch.cuda.current_stream(self.device).synchronize()
+        for seg in self.segments:
+            if seg.grad_fresh:  # no reduction wrote it since zero_grad: the gradient is zero
+                seg.grad_shard.zero_()  # type: ignore[attr-defined]
+                seg.grad_fresh = False
         if not self._prepared:
             for seg, master in zip(self.segments, self.masters, strict=True):
                 master.grad = seg.grad_shard  # type: ignore[attr-defined]
@@ -147,7 +159,7 @@ class Zero3Optimizer(BoostedOptimizer):
     def _zero_grad(self) -> None:
         self.sharder.got_grad.clear()
         for seg, master in zip(self.segments, self.masters, strict=True):
-            seg.grad_shard.zero_()  # type: ignore[attr-defined]
+            seg.grad_fresh = True  # the next reduction overwrites the shard (no zeroing pass)
             seg.grad_acc = None
             master.grad = None
 

@@ -15,7 +15,8 @@ from torch import nn
 from megalith.booster.precision import Precision
 from megalith.checkpoint import unique_state
 from megalith.common.errors import CheckpointError
-from megalith.optim import BoostedOptimizer
+from megalith.optim import BoostedOptimizer, ReplicatedOptimizer
+from megalith.zero import named_parameter_map
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class Plugin(ABC):
     """configure (wrap model / optimizer) → no_sync → unwrap; plus the per-rank memory formula."""
 
     name = "plugin"
+    supports_bf16_true = False  # whether precision="bf16-true" (no fp32 masters) is implemented
     # True when parameters are sharded over dp (ZeRO-3, FSDP): checkpoints then go through
     # `export_state` / the sharded (DCP) model format instead of rank 0's `model.state_dict()`.
     sharded_params = False
@@ -136,3 +138,20 @@ def fp32_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
         if p.requires_grad and name not in out:
             out[name] = p.detach().float().clone()
     return out
+
+
+def replicated(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, precision: Precision
+) -> ReplicatedOptimizer | None:
+    """Cast `model` to the precision's dtype and wrap `optimizer` for replicated parameters: fp32
+    masters (starting from the exact fp32 values, not the rounded copies) under mixed precision."""
+    fp32 = fp32_snapshot(model) if precision.mixed else {}
+    model.to(precision.dtype)
+    if optimizer is None:
+        return None
+    wrapped = ReplicatedOptimizer(
+        optimizer, named_parameter_map(model), precision.make_scaler(), masters=precision.mixed
+    )
+    if precision.mixed:
+        wrapped.load_master_values(lambda name, s, e: fp32[name].view(-1)[s:e])
+    return wrapped

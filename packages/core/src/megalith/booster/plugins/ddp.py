@@ -11,10 +11,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from megalith.booster.plugins.base import Boosted, MemoryPlan, Plugin, fp32_snapshot
+from megalith.booster.plugins.base import Boosted, MemoryPlan, Plugin, replicated
 from megalith.booster.precision import Precision
-from megalith.optim import BoostedOptimizer, ReplicatedOptimizer
-from megalith.zero import named_parameter_map
+from megalith.optim import BoostedOptimizer
 
 
 @dataclass(frozen=True)
@@ -31,6 +30,7 @@ class DDPPlugin(Plugin):
     """
 
     name = "ddp"
+    supports_bf16_true = True
 
     def __init__(self, config: DDPConfig | None = None, **kwargs: object) -> None:
         self.config = config or DDPConfig(**kwargs)  # type: ignore[arg-type]
@@ -38,13 +38,7 @@ class DDPPlugin(Plugin):
     def configure(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, precision: Precision
     ) -> Boosted:
-        fp32 = fp32_snapshot(model) if precision.mixed else {}
-        model.to(precision.dtype)
-        wrapped = None
-        if optimizer is not None:
-            wrapped = ReplicatedOptimizer(optimizer, named_parameter_map(model), precision.make_scaler())
-            if precision.mixed:  # masters start from the exact fp32 values, not the rounded copies
-                wrapped.load_master_values(lambda name, s, e: fp32[name].view(-1)[s:e])
+        wrapped = replicated(model, optimizer, precision)
         if dist.is_initialized() and dist.get_world_size() > 1:
             device_ids = [torch.cuda.current_device()] if next(model.parameters()).is_cuda else None
             model = DDP(
@@ -83,5 +77,5 @@ class DDPPlugin(Plugin):
             num_trainable=num_trainable,
             params=b * num_params,
             grads=b * num_trainable,
-            optimizer_states=8 * num_trainable + master,
+            optimizer_states=2 * precision.state_bytes * num_trainable + master,
         )

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalith.booster.plugins.base import Boosted, MemoryPlan, Plugin, fp32_snapshot, unique_state
+from megalith.booster.plugins.base import Boosted, MemoryPlan, Plugin, fp32_snapshot, replicated, unique_state
 from megalith.booster.precision import Precision
 from megalith.common.device import get_device
 from megalith.common.errors import CheckpointError, ConfigError
@@ -42,6 +42,10 @@ class ZeroPlugin(Plugin):
     def sharded_params(self) -> bool:  # type: ignore[override]
         return self.config.stage == 3
 
+    @property
+    def supports_bf16_true(self) -> bool:  # type: ignore[override]
+        return self.config.stage < 3
+
     def configure(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, precision: Precision
     ) -> Boosted:
@@ -56,11 +60,18 @@ class ZeroPlugin(Plugin):
             raise ConfigError("a model on the meta device needs ZeroPlugin(stage=3) (lazy init)")
         if self.config.stage == 3:
             return self._configure_stage3(model, optimizer, precision, names, lazy)
+        if self.dp_size() == 1 and not self.config.cpu_offload:
+            # One rank: nothing to shard or reduce. The parameters stay ordinary tensors (no flat
+            # buckets, so torch.compile sees plain parameters) and the optimizer steps them or their
+            # masters directly — the model states ZeRO-1/2 hold at N = 1, without the copies.
+            return Boosted(model, replicated(model, optimizer, precision))
         if dist.is_initialized() and dist.get_world_size() > 1:
             _broadcast_params(model)
         fp32 = fp32_snapshot(model) if precision.mixed else {}
         model.to(precision.dtype)
-        zero = ZeroOptimizer(optimizer, names, self.config, self._group, precision.make_scaler())
+        zero = ZeroOptimizer(
+            optimizer, names, self.config, self._group, precision.make_scaler(), precision.master_dtype
+        )
         if precision.mixed:
             zero.load_master_values(lambda name, s, e: fp32[name].view(-1)[s:e])
         return Boosted(model, zero)
@@ -175,8 +186,8 @@ class ZeroPlugin(Plugin):
         if self.config.stage == 3:
             return _stage3_plan(self.name, self.config, num_params, num_trainable, world_size, precision)
         b, n, psi = precision.param_bytes, world_size, num_trainable
-        master = 4 if (precision.mixed or self.config.cpu_offload) else 0
-        states = (8 + master) * psi // n
+        master = 4 if precision.mixed else b if self.config.cpu_offload else 0  # a separate copy, if any
+        states = (2 * precision.state_bytes + master) * psi // n
         grads = b * psi if self.config.stage == 1 else b * psi // n
         return MemoryPlan(
             plugin=self.name,
