@@ -290,7 +290,9 @@ def worker(args: argparse.Namespace) -> None:
     if name.startswith("grpo"):
         results.append(run_grpo(args, model, name == "grpo_fast"))
     else:
-        batches = args.batches[:1] if name in ("fast_nocompile", "fast_eager", "fast_triton") else args.batches
+        batches = (
+            args.batches[:1] if name in ("fast_nocompile", "fast_eager", "fast_triton") else args.batches
+        )
         for b in batches:
             if name.startswith("fast"):
                 results.append(run_fast(args, model, b, name))
