@@ -262,3 +262,37 @@ def test_reader_reads_any_range_across_chunks_and_rejects_bad_ranges(tmp_path):
     with pytest.raises(CheckpointError, match="has no tensor 'nope'"):
         reader.read("nope", 0, 1)
     assert [(p.start, p.values.tolist()) for p in split_for_rank(pieces[:1], 1, 2)] == [(1, [1.0, 2.0])]
+
+
+EXIT_WITHOUT_WAIT = """
+import sys, time
+import torch
+import megalith.booster.checkpointing as ckpt
+from megalith.booster import Booster
+from megalith.booster.plugins import DDPPlugin
+from megalith.testing.models import tiny_llama
+
+write = ckpt.SaveJob.write
+ckpt.SaveJob.write = lambda self, group: (time.sleep(1.0), write(self, group))[1]  # a slow disk
+booster = Booster(DDPPlugin())
+model = tiny_llama()
+model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+booster.save_state(sys.argv[1], model, opt, step=7, async_save=True)
+print("RETURNED", flush=True)  # exits now, with the write still in flight
+"""
+
+
+def test_async_save_finishes_when_the_program_exits_without_waiting(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "ckpt"
+    proc = subprocess.run(
+        [sys.executable, "-c", EXIT_WITHOUT_WAIT, str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and "RETURNED" in proc.stdout, proc.stderr[-2000:]
+    booster = Booster(DDPPlugin())
+    model = tiny_llama(seed=1)
+    model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert booster.load_state(path, model, opt)["step"] == 7
+    assert torch.equal(model.lm_head.weight, tiny_llama().lm_head.weight)  # the saved (seed 0) values

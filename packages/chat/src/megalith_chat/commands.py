@@ -81,9 +81,10 @@ def _common(p: argparse.ArgumentParser, out: str, lr: float, lora_r: int = 0) ->
     )
     p.add_argument(
         "--precision",
-        choices=["fp32", "bf16", "fp16"],
+        choices=["fp32", "bf16", "fp16", "bf16-true"],
         default="fp32",
-        help="training precision (default: fp32)",
+        help="training precision (default: fp32); bf16/fp16 keep fp32 master weights, bf16-true keeps "
+        "weights and optimizer states in bf16 (ddp/zero1/zero2 without --tp/--pp)",
     )
     p.add_argument("--lr", type=float, default=lr, help=f"AdamW learning rate (default: {lr:g})")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps")

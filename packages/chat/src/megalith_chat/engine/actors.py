@@ -84,7 +84,10 @@ class ProducerActor:
         reward = resolve_reward(run.prompts.reward or run.prompts.task)
         stream = PromptStream(prompts, seed=run.seed * 31 + producer_id, position=position)
         self.fast = make_fast_generator(
-            self.model, run.engine.rollout_engine, "bfloat16" if run.precision == "bf16" else None, run.seed
+            self.model,
+            run.engine.rollout_engine,
+            "bfloat16" if run.precision.startswith("bf16") else None,
+            run.seed,
         )
         self.worker = RolloutWorker(
             self.model, self.tokenizer, stream, reward, run.rollout, producer_id, generate_fn=self.fast

@@ -15,7 +15,7 @@ from megalith.common.errors import ConfigError
 from megalith_chat.trainer.parallel import hybrid_plugin
 
 PLUGINS = ("ddp", "zero1", "zero2")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true")
 
 
 def make_booster(
@@ -26,7 +26,7 @@ def make_booster(
     model: nn.Module | None = None,
     pipeline: dict[str, Any] | None = None,
 ) -> Booster:
-    """``ddp`` | ``zero1`` | ``zero2`` with ``fp32`` | ``bf16`` | ``fp16``; with ``tp > 1`` or a
+    """``ddp`` | ``zero1`` | ``zero2`` with ``fp32`` | ``bf16`` | ``fp16`` | ``bf16-true``; with ``tp > 1`` or a
     ``pipeline`` (HybridPlugin pp options, trainer/pp.py) the hybrid plugin (tensor parallel over tp,
     pipeline stages over pp, ``plugin`` over dp; see trainer/parallel.py), which needs the ``model``
     for its plan."""

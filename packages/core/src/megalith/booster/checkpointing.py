@@ -19,9 +19,12 @@ thread's collectives run on a dedicated gloo group so they never interleave with
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import threading
+import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -328,10 +331,19 @@ def checkpoint_group(holder: Any, async_save: bool) -> Any:
     return group
 
 
+EXIT_WAIT_S = 600.0  # how long interpreter exit waits for asynchronous saves still being written
+_IN_FLIGHT: weakref.WeakSet[AsyncCheckpoint] = weakref.WeakSet()
+
+
 class AsyncCheckpoint:
     """Handle of a `save_state(..., async_save=True)`: the pieces were copied to CPU; a thread
     writes them and rank 0 commits the staging directory. `wait()` (collective) returns the path
-    once the checkpoint is committed on every rank, or raises the CheckpointError of the save."""
+    once the checkpoint is committed on every rank, or raises the CheckpointError of the save.
+
+    A program that exits without waiting still gets its checkpoint: an exit hook waits up to
+    `EXIT_WAIT_S` for saves in flight (the thread is a daemon so that a save stuck on a dead rank
+    cannot hold the exit forever; one cut off that way leaves only its staging directory, and the
+    previous checkpoint stays intact)."""
 
     def __init__(self, path: Path, job: SaveJob, group: Any, commit: Callable[[Path], Any]) -> None:
         self.path = path
@@ -339,6 +351,7 @@ class AsyncCheckpoint:
         self._error: str | None = None
         self._thread = threading.Thread(target=self._run, name=f"checkpoint-{path.name}", daemon=True)
         self._thread.start()
+        _IN_FLIGHT.add(self)
 
     def _run(self) -> None:
         rank, world = _rank_world()
@@ -365,6 +378,18 @@ class AsyncCheckpoint:
         if self._error:
             raise CheckpointError(f"asynchronous save of {self.path} failed: {self._error}")
         return self.path
+
+
+@atexit.register
+def _finish_saves_in_flight(timeout_s: float | None = None) -> None:
+    """Exit hook: let asynchronous saves that nobody waited for finish (see `AsyncCheckpoint`)."""
+    deadline = time.monotonic() + (EXIT_WAIT_S if timeout_s is None else timeout_s)
+    for pending in list(_IN_FLIGHT):
+        if not pending.done():
+            logger.info("waiting for the asynchronous save of %s before exiting", pending.path)
+            pending._thread.join(max(0.0, deadline - time.monotonic()))
+        if not pending.done():
+            logger.warning("asynchronous save of %s did not finish before exit: not committed", pending.path)
 
 
 def _barrier() -> None:

@@ -201,6 +201,7 @@ class ParamSharder:
     def _reduce(self, unit: Unit) -> None:
         """grad shard += reduce-scatter(flat grads) / N for every trainable segment of the unit."""
         self._reduced.add(unit.index)
+        issued = len(self._pending)
         for seg in unit.segments:
             if seg.key == FROZEN:
                 continue
@@ -215,13 +216,17 @@ class ParamSharder:
             self._pending.append((seg, out, acc, handle))
         if not self.overlap or self.dp_size == 1:  # nothing in flight to wait for: write the shard now
             self.finish_reductions()
+        else:  # keep one unit's reduction in flight: older buffers are freed as backward goes on
+            self.finish_reductions(keep=len(self._pending) - issued)
 
-    def finish_reductions(self) -> None:
-        for seg, out, _, handle in self._pending:
+    def finish_reductions(self, keep: int = 0) -> None:
+        """Wait for and apply the pending reductions but the newest `keep` (issued in order)."""
+        done = len(self._pending) - keep
+        for seg, out, _, handle in self._pending[:done]:
             if handle is not None:
                 handle.wait()
             _accumulate(seg, out, self.dp_size)
-        self._pending.clear()
+        del self._pending[:done]
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False

@@ -32,7 +32,11 @@ def add_training_flags(p: argparse.ArgumentParser, output: str) -> None:
         "re-launches through torch.distributed.run; under torchrun it joins",
     )
     p.add_argument(
-        "--precision", default=d.precision, choices=["fp32", "bf16", "fp16"], help="training precision"
+        "--precision",
+        default=d.precision,
+        choices=["fp32", "bf16", "fp16", "bf16-true"],
+        help="training precision: bf16/fp16 keep fp32 master weights, bf16-true keeps everything in "
+        "bf16 (half the model-state memory; ddp and zero1/zero2 only)",
     )
     p.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
     p.add_argument(

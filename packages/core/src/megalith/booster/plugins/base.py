@@ -14,7 +14,7 @@ from torch import nn
 
 from megalith.booster.precision import Precision
 from megalith.checkpoint import unique_state
-from megalith.common.errors import CheckpointError
+from megalith.common.errors import CheckpointError, ConfigError
 from megalith.optim import BoostedOptimizer, ReplicatedOptimizer
 from megalith.zero import named_parameter_map
 
@@ -149,9 +149,11 @@ def replicated(
     model.to(precision.dtype)
     if optimizer is None:
         return None
-    wrapped = ReplicatedOptimizer(
-        optimizer, named_parameter_map(model), precision.make_scaler(), masters=precision.mixed
-    )
+    names = named_parameter_map(model)
+    unknown = [p for g in optimizer.param_groups for p in g["params"] if p not in names]
+    if unknown:
+        raise ConfigError(f"optimizer holds {len(unknown)} parameter(s) that are not in the model")
+    wrapped = ReplicatedOptimizer(optimizer, names, precision.make_scaler(), masters=precision.mixed)
     if precision.mixed:
         wrapped.load_master_values(lambda name, s, e: fp32[name].view(-1)[s:e])
     return wrapped
