@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import pytest
 import torch
 
@@ -11,7 +9,8 @@ from megalith.booster import Booster
 from megalith.booster.plugins import FSDPPlugin
 from megalith.common.errors import ConfigError
 from megalith.testing import assert_states_close, run_distributed
-from megalith.testing.models import WithUnused, lm_loss, synthetic_batches
+from megalith.testing.loops import boosted_steps, reference_steps
+from megalith.testing.models import WithUnused, synthetic_batches
 
 STEPS, GLOBAL_BATCH, SEQ, LR, WD, EPS = 3, 8, 12, 1e-3, 0.1, 1e-6
 VARIANTS = {"plain": {}, "accum3": {"accum": 3}, "clip": {"clip": 0.05}, "tied": {"tie": True}}
@@ -21,14 +20,7 @@ def reference(v: dict) -> dict[str, torch.Tensor]:
     accum = v.get("accum", 1)
     model = WithUnused(tie=v.get("tie", False))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, eps=EPS)
-    batches = synthetic_batches(STEPS * accum, GLOBAL_BATCH, SEQ)
-    for step in range(STEPS):
-        for micro in range(accum):
-            (lm_loss(model, batches[step * accum + micro]) / accum).backward()
-        if "clip" in v:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), v["clip"])
-        opt.step()
-        opt.zero_grad()
+    reference_steps(model, opt, synthetic_batches(STEPS * accum, GLOBAL_BATCH, SEQ), accum, v.get("clip"))
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -39,18 +31,8 @@ def train_fsdp(rank: int, world: int, v: dict) -> dict[str, torch.Tensor]:
     plugin = FSDPPlugin(group_size_mb=0.01)
     booster = Booster(plugin)
     model, opt, *_ = booster.boost(model, opt)
-    per_rank = GLOBAL_BATCH // world
     batches = synthetic_batches(STEPS * accum, GLOBAL_BATCH, SEQ)
-    for step in range(STEPS):
-        for micro in range(accum):
-            ids = batches[step * accum + micro][rank * per_rank : (rank + 1) * per_rank]
-            ctx = booster.no_sync(model, opt) if micro < accum - 1 else nullcontext()
-            with ctx:
-                booster.backward(lm_loss(model, ids) / accum, opt)
-        if "clip" in v:
-            opt.clip_grad_by_norm(v["clip"])
-        opt.step()
-        opt.zero_grad()
+    boosted_steps(booster, model, opt, batches, rank, world, accum, v.get("clip"))
     if v.get("tie"):
         assert model.lm.lm_head.weight is model.lm.model.embed_tokens.weight
     full = dict(plugin.export_state(model))

@@ -3,7 +3,6 @@ measured bytes equal plan(); communication is the ZeRO paper's 1.5× DDP (Core v
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from functools import cache
 
 import pytest
@@ -13,7 +12,8 @@ from megalith.booster import Booster, plan
 from megalith.booster.plugins import DDPPlugin, ZeroPlugin
 from megalith.common.errors import ConfigError
 from megalith.testing import assert_states_close, run_distributed, state_of
-from megalith.testing.models import WithUnused, lm_loss, synthetic_batches, tiny_llama
+from megalith.testing.loops import boosted_steps, reference_steps
+from megalith.testing.models import WithUnused, synthetic_batches, tiny_llama
 
 STEPS, GLOBAL_BATCH, SEQ, LR, WD, EPS = 3, 8, 12, 1e-3, 0.1, 1e-6
 VARIANTS = {
@@ -53,14 +53,7 @@ def reference(variant: str) -> dict[str, torch.Tensor]:
     accum = v.get("accum", 1)
     model = make_model(v)
     opt = make_opt(model)
-    batches = synthetic_batches(STEPS * accum, GLOBAL_BATCH, SEQ)
-    for step in range(STEPS):
-        for micro in range(accum):
-            (lm_loss(model, batches[step * accum + micro]) / accum).backward()
-        if "clip" in v:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), v["clip"])
-        opt.step()
-        opt.zero_grad()
+    reference_steps(model, opt, synthetic_batches(STEPS * accum, GLOBAL_BATCH, SEQ), accum, v.get("clip"))
     return state_of(model)
 
 
@@ -78,18 +71,8 @@ def train_zero3(rank: int, world: int, variant: str) -> dict[str, torch.Tensor]:
     )
     booster = Booster(plugin)
     model, opt, *_ = booster.boost(model, make_opt(model))
-    per_rank = GLOBAL_BATCH // world
     batches = synthetic_batches(STEPS * accum, GLOBAL_BATCH, SEQ)
-    for step in range(STEPS):
-        for micro in range(accum):
-            ids = batches[step * accum + micro][rank * per_rank : (rank + 1) * per_rank]
-            ctx = booster.no_sync(model, opt) if micro < accum - 1 else nullcontext()
-            with ctx:
-                booster.backward(lm_loss(model, ids) / accum, opt)
-        if "clip" in v:
-            opt.clip_grad_by_norm(v["clip"])
-        opt.step()
-        opt.zero_grad()
+    boosted_steps(booster, model, opt, batches, rank, world, accum, v.get("clip"))
     if v.get("tie"):
         assert model.lm.lm_head.weight is model.lm.model.embed_tokens.weight
     with plugin.full_parameters(model):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from functools import cache
 
 import pytest
@@ -11,7 +10,8 @@ import torch
 from megalith.booster import Booster
 from megalith.booster.plugins import DDPPlugin, ZeroPlugin
 from megalith.testing import assert_states_close, run_distributed, state_of
-from megalith.testing.models import WithUnused, lm_loss, synthetic_batches
+from megalith.testing.loops import boosted_steps, reference_steps
+from megalith.testing.models import WithUnused, synthetic_batches
 
 STEPS, GLOBAL_BATCH, SEQ, LR, WD, EPS = 3, 8, 12, 1e-3, 0.1, 1e-6
 VARIANTS = {
@@ -35,14 +35,7 @@ def reference(variant: str) -> dict[str, torch.Tensor]:
     accum = v.get("accum", 1)
     model = WithUnused(tie=v.get("tie", False))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, eps=EPS)
-    batches = _batches(accum)
-    for step in range(STEPS):
-        for micro in range(accum):
-            (lm_loss(model, batches[step * accum + micro]) / accum).backward()
-        if "clip" in v:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), v["clip"])
-        opt.step()
-        opt.zero_grad()
+    reference_steps(model, opt, _batches(accum), accum, v.get("clip"))
     return state_of(model)
 
 
@@ -53,18 +46,7 @@ def train_boosted(rank: int, world: int, plugin, variant: str) -> dict[str, torc
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, eps=EPS)
     booster = Booster(plugin)
     model, opt, *_ = booster.boost(model, opt)
-    per_rank = GLOBAL_BATCH // world
-    batches = _batches(accum)
-    for step in range(STEPS):
-        for micro in range(accum):
-            ids = batches[step * accum + micro][rank * per_rank : (rank + 1) * per_rank]
-            ctx = booster.no_sync(model, opt) if micro < accum - 1 else nullcontext()
-            with ctx:
-                booster.backward(lm_loss(model, ids) / accum, opt)
-        if "clip" in v:
-            opt.clip_grad_by_norm(v["clip"])
-        opt.step()
-        opt.zero_grad()
+    boosted_steps(booster, model, opt, _batches(accum), rank, world, accum, v.get("clip"))
     if "tie" in v and v["tie"]:
         lm = booster.unwrap(model).lm
         assert lm.lm_head.weight is lm.model.embed_tokens.weight

@@ -180,3 +180,24 @@ def enable_neftune(model: torch.nn.Module, alpha: float) -> torch.utils.hooks.Re
         return neftune_noise(output, alpha) if module.training else output
 
     return embedding.register_forward_hook(hook)
+
+
+class SFTDataset(torch.utils.data.Dataset):
+    """Tokenized `{"messages": [...]}` conversations, right-padded to `seq_len` (loss on assistant
+    tokens and their end token only; see `sft_data.tokenize_conversation`)."""
+
+    def __init__(self, path: str, tokenizer: Any, seq_len: int) -> None:
+        examples = load_sft_jsonl(path, tokenizer, max_length=seq_len)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        batch = collate_sft(examples, pad)
+        width = batch["input_ids"].shape[1]
+        fill = {"input_ids": pad, "labels": -100, "attention_mask": 0}
+        self.tensors = {
+            k: torch.nn.functional.pad(v, (0, seq_len - width), value=fill[k]) for k, v in batch.items()
+        }
+
+    def __len__(self) -> int:
+        return int(self.tensors["input_ids"].shape[0])
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v[i] for k, v in self.tensors.items()}

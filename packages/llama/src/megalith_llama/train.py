@@ -10,13 +10,10 @@ Every rank runs this; rank 0 writes metrics, plots and prints. Checkpoints go th
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
-from collections.abc import Iterator
-from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +21,13 @@ import torch
 import torch.distributed as dist
 
 from megalith.common.errors import ConfigError
+from megalith_llama.loop import Parts, StepLoop, heldout_ppl
 from megalith_llama.schedule import lr_lambda
 from megalith_llama.train_utils import (
     MetricsLog,
     flops_per_token,
     latest_checkpoint,
-    peak_flops,
     plot_curve,
-    prune_checkpoints,
 )
 
 logger = logging.getLogger(__name__)
@@ -145,13 +141,13 @@ def run_training(cfg: TrainConfig) -> TrainResult:
         enable_neftune(booster.unwrap(model), cfg.neftune_alpha)
     step = _maybe_resume(cfg, booster, model, optimizer, scheduler, loader, out)
     metrics = MetricsLog(out / "metrics.jsonl", enabled=info.rank == 0, truncate_after=step)
-    ppl_before = _heldout_ppl(booster, model, heldout, cfg, info.device.torch)
+    ppl_before = heldout_ppl(booster, model, heldout, cfg, info.device.torch)
     if step == 0:
         metrics.write({"step": 0, "event": "eval", "val_loss": math.log(ppl_before), "val_ppl": ppl_before})
-    parts = _Parts(booster, model, optimizer, scheduler, loader, per_token)
-    loop = _Loop(cfg, parts, metrics, out, heldout, info.device.torch)
+    parts = Parts(booster, model, optimizer, scheduler, loader, per_token)
+    loop = StepLoop(cfg, parts, metrics, out, heldout, info.device.torch)
     loop.train(step, total_steps)
-    ppl_after = _heldout_ppl(booster, model, heldout, cfg, info.device.torch)
+    ppl_after = heldout_ppl(booster, model, heldout, cfg, info.device.torch)
     metrics.write(
         {"step": total_steps, "event": "eval", "val_loss": math.log(ppl_after), "val_ppl": ppl_after}
     )
@@ -225,6 +221,8 @@ def _train_set(
 ) -> Any:
     """SFT conversations (`sft_data`) or packed pretraining shards (`data`, default: the built-in corpus)."""
     if cfg.sft_data:
+        from megalith_llama.sft_data import SFTDataset
+
         return SFTDataset(cfg.sft_data, tokenizer, cfg.seq_len)
     data = (
         Path(cfg.data) if cfg.data else prepared_builtin(tokenizer, cfg.seq_len, cfg.data_dir, rank=_rank())
@@ -262,31 +260,6 @@ def _maybe_resume(
     return int(meta["step"])
 
 
-def _heldout_ppl(booster: Any, model: Any, heldout: Any, cfg: TrainConfig, device: torch.device) -> float:
-    """Held-out perplexity: every data-parallel rank evaluates a disjoint slice (the ranks of one
-    tensor-parallel group evaluate the same slice together); token-weighted sums are all-reduced
-    (a tp group counts its slice tp times in both sums, which leaves the ratio unchanged)."""
-    from torch.utils.data import Subset
-
-    from megalith_llama.eval import evaluate
-
-    dp_rank, dp_size = booster.plugin.dp_rank(), booster.plugin.dp_size()
-    n = min(len(heldout), cfg.eval_batches * cfg.batch_size * dp_size)
-    mine = Subset(heldout, list(range(dp_rank, n, dp_size)))
-    if cfg.pp > 1:  # forward-only pipeline (megalith_llama/pp.py)
-        from megalith_llama import pp
-
-        loss, tokens = pp.evaluate(booster, model, mine, cfg.batch_size, device)
-    else:
-        result = evaluate(booster.unwrap(model), mine, batch_size=cfg.batch_size, device=device)
-        loss, tokens = result.loss, result.tokens
-    sums = torch.tensor([loss * tokens, float(tokens)], dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(sums)
-    model.train()
-    return math.exp(float(sums[0] / sums[1]))
-
-
 def _export(booster: Any, model: Any, tokenizer: Any, out: Path) -> Path:
     final = out / "final"
     unwrapped = booster.unwrap(model)
@@ -298,156 +271,3 @@ def _export(booster: Any, model: Any, tokenizer: Any, out: Path) -> Path:
     if dist.is_initialized():
         dist.barrier()
     return final
-
-
-class SFTDataset(torch.utils.data.Dataset):
-    """Tokenized `{"messages": [...]}` conversations, right-padded to `seq_len` (loss on assistant
-    tokens and their end token only; see `sft_data.tokenize_conversation`)."""
-
-    def __init__(self, path: str, tokenizer: Any, seq_len: int) -> None:
-        from megalith_llama.sft_data import collate_sft, load_sft_jsonl
-
-        examples = load_sft_jsonl(path, tokenizer, max_length=seq_len)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        batch = collate_sft(examples, pad)
-        width = batch["input_ids"].shape[1]
-        fill = {"input_ids": pad, "labels": -100, "attention_mask": 0}
-        self.tensors = {
-            k: torch.nn.functional.pad(v, (0, seq_len - width), value=fill[k]) for k, v in batch.items()
-        }
-
-    def __len__(self) -> int:
-        return int(self.tensors["input_ids"].shape[0])
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {k: v[i] for k, v in self.tensors.items()}
-
-
-@dataclass(frozen=True)
-class _Parts:
-    """What `Booster.boost` returned, plus the booster."""
-
-    booster: Any
-    model: Any
-    optimizer: Any
-    scheduler: Any
-    loader: Any
-    flops_per_token: float = 0.0  # of the whole model, counted before tp / pp split it
-
-
-class _Loop:
-    """The step loop: micro-batches with `no_sync`, clip, step, schedule, metrics, eval, checkpoints."""
-
-    def __init__(
-        self,
-        cfg: TrainConfig,
-        parts: _Parts,
-        metrics: MetricsLog,
-        out: Path,
-        heldout: Any,
-        device: torch.device,
-    ) -> None:
-        self.cfg, self.booster, self.model, self.optimizer = cfg, parts.booster, parts.model, parts.optimizer
-        self.scheduler, self.loader, self.metrics, self.out = parts.scheduler, parts.loader, metrics, out
-        self.heldout, self.device = heldout, device
-        self.tp = max(1, _world() // self.booster.plugin.dp_size())
-        self.flops_per_token = parts.flops_per_token
-        self.peak = peak_flops(device, cfg.precision)
-        self._batches: Iterator[Any] = iter(())
-
-    def _next_batch(self) -> dict[str, torch.Tensor]:
-        from megalith_llama.dataset import model_inputs
-
-        try:
-            batch = next(self._batches)
-        except StopIteration:
-            self._batches = iter(self.loader)  # the sampler moves to the next epoch by itself
-            batch = next(self._batches)
-        dtype = next(self.model.parameters()).dtype
-        inputs = model_inputs(batch, dtype)
-        if "attention_mask" in batch:  # padded SFT conversations
-            inputs["attention_mask"] = batch["attention_mask"]
-        return {k: v.to(self.device) for k, v in inputs.items()}
-
-    def _micro_steps(self) -> tuple[float, int]:
-        total, tokens = 0.0, 0
-        accum = self.cfg.grad_accum
-        for micro in range(accum):
-            batch = self._next_batch()
-            sync = micro == accum - 1
-            with self.booster.no_sync(self.model, self.optimizer) if not sync else nullcontext():
-                if self.cfg.pp > 1:  # the pipeline runs forward and backward (megalith_llama/pp.py)
-                    from megalith_llama.pp import train_step
-
-                    total += train_step(self.booster, self.model, self.optimizer, batch, accum)
-                else:
-                    loss = self.model(**batch).loss / accum
-                    self.booster.backward(loss, self.optimizer)
-                    total += float(loss.detach())
-            tokens += int(batch["input_ids"].numel())
-        return total, tokens
-
-    def train(self, start: int, total_steps: int) -> None:
-        from tqdm import tqdm
-
-        bar = tqdm(
-            range(start, total_steps),
-            initial=start,
-            total=total_steps,
-            disable=_rank() != 0,
-            desc="train",
-            unit="step",
-            dynamic_ncols=True,
-        )
-        tokens_seen, t0 = 0, time.perf_counter()
-        for step in bar:
-            loss, tokens = self._micro_steps()
-            grad_norm = self.optimizer.clip_grad_by_norm(self.cfg.clip)
-            self.optimizer.step()
-            self.optimizer.zero_grad()
-            lr = self.scheduler.get_last_lr()[0]
-            self.scheduler.step()
-            stats = torch.tensor([loss, float(tokens)], dtype=torch.float64)
-            if dist.is_initialized():
-                dist.all_reduce(stats)
-            # every rank of a tp group saw the same tokens: count them once per dp rank
-            mean_loss, global_tokens = float(stats[0]) / _world(), int(stats[1]) // self.tp
-            tokens_seen += global_tokens
-            elapsed = time.perf_counter() - t0
-            tok_s = tokens_seen / elapsed
-            mfu = (tok_s * self.flops_per_token / (self.peak * _world())) if self.peak else None
-            self.metrics.write(
-                {
-                    "step": step + 1,
-                    "loss": mean_loss,
-                    "lr": lr,
-                    "grad_norm": grad_norm,
-                    "tokens": global_tokens,
-                    "tokens_per_s": tok_s,
-                    "mfu": mfu,
-                }
-            )
-            bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tok_s:.0f}", lr=f"{lr:.2e}")
-            self._periodic(step + 1, total_steps)
-
-    def _periodic(self, step: int, total_steps: int) -> None:
-        if self.cfg.eval_every and step % self.cfg.eval_every == 0 and step < total_steps:
-            ppl = _heldout_ppl(self.booster, self.model, self.heldout, self.cfg, self.device)
-            self.metrics.write({"step": step, "event": "eval", "val_loss": math.log(ppl), "val_ppl": ppl})
-        if step % self.cfg.save_every == 0 or step == total_steps:
-            path = self.out / "checkpoints" / f"step_{step:08d}"
-            self.booster.save_state(
-                path,
-                self.model,
-                self.optimizer,
-                self.scheduler,
-                self.loader,
-                step=step,
-                extra={"config": _jsonable(asdict(self.cfg))},
-            )
-            if _rank() == 0:
-                prune_checkpoints(self.out / "checkpoints", self.cfg.keep_checkpoints)
-
-
-def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
-    return json.loads(json.dumps(d, default=str))
