@@ -29,10 +29,13 @@ class Slot:
     numel: int
 
 
-class FlatBucket:
+class FlatLayout:
+    """Parameters packed back to back (`slots`), padded to a multiple of the dp size; rank r owns
+    elements `shard_range` = [r·S, (r+1)·S) with S = padded_numel / dp. The layout of ZeRO-1/2
+    buckets and of ZeRO-3 segments."""
+
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], dp_size: int, dp_rank: int) -> None:
-        first = named_params[0][1]
-        self.dtype, self.device = first.dtype, first.device
+        self.dtype = named_params[0][1].dtype
         self.slots: list[Slot] = []
         offset = 0
         for name, p in named_params:
@@ -42,14 +45,6 @@ class FlatBucket:
         self.padded_numel = -(-offset // dp_size) * dp_size
         self.shard_numel = self.padded_numel // dp_size
         self.dp_size, self.dp_rank = dp_size, dp_rank
-        self.flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
-        with torch.no_grad():
-            for s in self.slots:
-                self.flat[s.offset : s.offset + s.numel].copy_(s.param.detach().reshape(-1))
-                s.param.data = self.flat[s.offset : s.offset + s.numel].view_as(s.param)
-        lo = dp_rank * self.shard_numel
-        self.shard = self.flat[lo : lo + self.shard_numel]
-        self.ready: set[int] = set()
 
     @property
     def shard_range(self) -> tuple[int, int]:
@@ -57,6 +52,7 @@ class FlatBucket:
         return lo, lo + self.shard_numel
 
     def pieces(self) -> list[PieceRef]:
+        """Which elements of which flattened parameters this rank's shard holds."""
         lo, hi = self.shard_range
         out = []
         for s in self.slots:
@@ -65,6 +61,25 @@ class FlatBucket:
                 out.append(PieceRef(s.name, a - s.offset, b - s.offset, a - lo))
         return out
 
+    def __iter__(self) -> Iterator[Slot]:
+        return iter(self.slots)
+
+
+class FlatBucket(FlatLayout):
+    """A ZeRO-1/2 bucket: the parameters' `.data` become views of one persistent flat buffer."""
+
+    def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], dp_size: int, dp_rank: int) -> None:
+        super().__init__(named_params, dp_size, dp_rank)
+        self.device = named_params[0][1].device
+        self.flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for s in self.slots:
+                self.flat[s.offset : s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+                s.param.data = self.flat[s.offset : s.offset + s.numel].view_as(s.param)
+        lo, hi = self.shard_range
+        self.shard = self.flat[lo:hi]
+        self.ready: set[int] = set()
+
     def flat_grads(self) -> torch.Tensor:
         """The bucket's local gradients packed like `flat` (zeros for params that got none)."""
         out = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
@@ -72,9 +87,6 @@ class FlatBucket:
             if s.param.grad is not None:
                 out[s.offset : s.offset + s.numel].copy_(s.param.grad.reshape(-1))
         return out
-
-    def __iter__(self) -> Iterator[Slot]:
-        return iter(self.slots)
 
 
 def make_buckets(

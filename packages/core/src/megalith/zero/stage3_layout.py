@@ -25,17 +25,9 @@ import torch
 from torch import nn
 
 from megalith.common.errors import ConfigError
-from megalith.optim import PieceRef
+from megalith.zero.buckets import FlatLayout, Slot
 
 FROZEN = -1  # segment key of parameters no optimizer group updates
-
-
-@dataclass(frozen=True)
-class Slot:
-    name: str
-    param: nn.Parameter
-    offset: int
-    numel: int
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -58,7 +50,7 @@ def _rebind(p: nn.Parameter, view: torch.Tensor) -> None:
         p.data = view
 
 
-class Segment:
+class Segment(FlatLayout):
     """The parameters of one unit that share one optimizer param group (`key`, FROZEN = none)."""
 
     def __init__(
@@ -70,17 +62,8 @@ class Segment:
         device: torch.device,
         shard_device: torch.device,
     ) -> None:
+        super().__init__(named_params, dp_size, dp_rank)
         self.key = key
-        self.dtype = named_params[0][1].dtype
-        self.slots: list[Slot] = []
-        offset = 0
-        for name, p in named_params:
-            self.slots.append(Slot(name, p, offset, p.numel()))
-            offset += p.numel()
-        self.numel = offset
-        self.padded_numel = -(-offset // dp_size) * dp_size
-        self.shard_numel = self.padded_numel // dp_size
-        self.dp_size, self.dp_rank = dp_size, dp_rank
         self.flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=device)
         lazy = named_params[0][1].is_meta
         with torch.no_grad():
@@ -97,23 +80,8 @@ class Segment:
         free_storage(self.flat)
 
     @property
-    def shard_range(self) -> tuple[int, int]:
-        lo = self.dp_rank * self.shard_numel
-        return lo, lo + self.shard_numel
-
-    @property
     def is_gathered(self) -> bool:
         return self.flat.untyped_storage().size() > 0
-
-    def pieces(self) -> list[PieceRef]:
-        """Which elements of which flattened parameters this rank's shard holds."""
-        lo, hi = self.shard_range
-        out = []
-        for s in self.slots:
-            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
-            if a < b:
-                out.append(PieceRef(s.name, a - s.offset, b - s.offset, a - lo))
-        return out
 
     def shard_bytes(self) -> int:
         return self.shard.numel() * self.shard.element_size()
