@@ -122,18 +122,25 @@ def load_dp4(rank: int, world: int, root: str) -> dict[str, dict[str, torch.Tens
         if name == "zero_dp4":
             booster.save_model(model, Path(root) / "dp4_model")
             booster.save_optimizer(opt, Path(root) / "dp4_optim")
+            booster.save_state(Path(root) / "dp4_state", model, opt, step=2)  # DCP model + optimizer
         _steps(booster, model, opt, plugin, range(2, 3))
         out[name] = state_of(booster.unwrap(model))
     return out
 
 
-def load_tp2(rank: int, world: int, root: str) -> dict[str, torch.Tensor]:
-    plugin = HybridPlugin(tp_size=2, zero_stage=1)
-    booster, model, opt = _boost(plugin)
-    booster.load_model(model, Path(root) / "dp4_model", opt)  # each rank slices its blocks
-    plugin.load_optimizer(opt, Path(root) / "dp4_optim")
-    _steps(booster, model, opt, plugin, range(2, 3))
-    return _full(model, plugin)
+def load_tp2(rank: int, world: int, root: str) -> dict[str, dict[str, torch.Tensor]]:
+    out = {}
+    for source in ("pieces", "dcp"):
+        plugin = HybridPlugin(tp_size=2, zero_stage=1)
+        booster, model, opt = _boost(plugin)
+        if source == "pieces":
+            booster.load_model(model, Path(root) / "dp4_model", opt)  # each rank slices its blocks
+            plugin.load_optimizer(opt, Path(root) / "dp4_optim")
+        else:  # ZeRO's sharded save_state: full-parameter ranges, sliced into tp blocks on load
+            assert booster.load_state(Path(root) / "dp4_state", model, opt)["step"] == 2
+        _steps(booster, model, opt, plugin, range(2, 3))
+        out[source] = _full(model, plugin)
+    return out
 
 
 def test_checkpoint_moves_between_tp2_dp2_dp4_and_ddp(tmp_path: Path) -> None:
@@ -147,8 +154,9 @@ def test_checkpoint_moves_between_tp2_dp2_dp4_and_ddp(tmp_path: Path) -> None:
         for name in ("zero_dp4", "ddp"):
             _assert_matches(states[f"{name}_loaded"], after2, f"{name} loaded")
             _assert_matches(states[name], after3, f"{name} after a step")  # optimizer state came along
-    for state in run_distributed(load_tp2, 4, str(tmp_path), timeout_s=180):
-        _assert_matches(state, after3, "tp1×dp4 → tp2×dp2")
+    for states in run_distributed(load_tp2, 4, str(tmp_path), timeout_s=180):
+        _assert_matches(states["pieces"], after3, "tp1×dp4 → tp2×dp2")
+        _assert_matches(states["dcp"], after3, "tp1×dp4 save_state (DCP) → tp2×dp2")
 
 
 # -- configuration -----------------------------------------------------------------------------------

@@ -198,9 +198,11 @@ def _saved_keys(reader: DCPReader) -> dict[str, set[str]]:
     return out
 
 
-def load_optimizer_dcp(opt: BoostedOptimizer, directory: Path) -> None:
-    """Every rank reads exactly the ranges it owns (then publishes the masters: a collective for ZeRO)."""
-    reader = DCPReader(directory)
+def load_optimizer_dcp(opt: BoostedOptimizer, directory: Path, reader: DCPReader | None = None) -> None:
+    """Every rank reads exactly the ranges it owns (then publishes the masters: a collective for ZeRO).
+    `reader`: one that maps the optimizer's piece coordinates onto the saved tensors (tensor
+    parallelism: `ShardedDCPReader`); a plain `DCPReader` of `directory` by default."""
+    reader = reader or DCPReader(directory)
     meta = reader.meta
     if meta.get("optimizer") != type(opt.optim).__name__:
         raise CheckpointError(

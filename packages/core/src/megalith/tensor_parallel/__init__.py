@@ -16,6 +16,7 @@ from megalith.tensor_parallel.apply import (
     validate_plan,
 )
 from megalith.tensor_parallel.checkpoint import (
+    ShardedDCPReader,
     ShardedPieceReader,
     full_model_pieces,
     full_shapes,
@@ -49,6 +50,7 @@ __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "ShardSpec",
+    "ShardedDCPReader",
     "ShardedPieceReader",
     "TensorParallelInfo",
     "TensorParallelPlan",

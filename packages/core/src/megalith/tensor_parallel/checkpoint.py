@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalith.checkpoint import OptimPiece, PieceReader, unique_state
+from megalith.checkpoint import DCPReader, OptimPiece, PieceReader, unique_state
+from megalith.checkpoint.optimizer_io import SEP
 from megalith.common.errors import CheckpointError
 from megalith.optim import BoostedOptimizer
 from megalith.tensor_parallel.comm import Group, group_size
@@ -173,3 +174,41 @@ class ShardedPieceReader(PieceReader):
             full = super().read(name, key, 0, math.prod(spec.full_shape)).view(spec.full_shape)
             self._cache = (name, key, spec.shard(full).reshape(-1))
         return self._cache[2][start:end]
+
+
+class ShardedDCPReader(DCPReader):
+    """A `DCPReader` of an optimizer checkpoint (tensors ``name::key`` of flattened *full*
+    parameters, as every other plugin writes them) whose ranges are in this rank's local
+    (tp-block) coordinates for tensor-parallel parameters: each full tensor is read once (one at a
+    time, never the whole model) and sliced with its `ShardSpec`; other tensors pass through."""
+
+    KEEP = 4  # full tensors kept at once (the states of one master are read together)
+
+    def __init__(self, directory: Path, params: dict[str, nn.Parameter]) -> None:
+        self._specs = {name: spec for name, p in params.items() if (spec := shard_spec(p)) is not None}
+        self._blocks: dict[str, torch.Tensor] = {}
+        super().__init__(directory)
+
+    def _spec(self, fqn: str) -> ShardSpec | None:
+        name, _, key = fqn.partition(SEP)
+        return None if key.startswith("#") else self._specs.get(name)  # "#...": scalar states
+
+    def expect(self, requests: Any, batch_bytes: int = 2**28) -> None:
+        full: list[tuple[str, int, int]] = []
+        for fqn, start, end in requests:
+            spec = self._spec(fqn)
+            request = (fqn, start, end) if spec is None else (fqn, 0, math.prod(spec.full_shape))
+            if request not in full:
+                full.append(request)
+        super().expect(full, batch_bytes)
+
+    def read(self, fqn: str, start: int, end: int) -> torch.Tensor:
+        spec = self._spec(fqn)
+        if spec is None:
+            return super().read(fqn, start, end)
+        if fqn not in self._blocks:
+            whole = super().read(fqn, 0, math.prod(spec.full_shape)).view(spec.full_shape)
+            self._blocks[fqn] = spec.shard(whole).reshape(-1)
+            while len(self._blocks) > self.KEEP:
+                self._blocks.pop(next(iter(self._blocks)))
+        return self._blocks[fqn][start:end]

@@ -12,14 +12,16 @@ Checkpoints are the ordinary formats, so tp2×dp2 → tp1×dp4 → DDP → one p
 and back. Model: `booster.save_model` / `load_model` go through this plugin's `export_state` /
 `load_model_pieces` (tp blocks gathered to full tensors; full tensors sliced into blocks).
 Optimizer: `plugin.save_optimizer` / `load_optimizer` (every rank) write / read pieces of *full*
-parameters; the booster's generic optimizer path refuses a tp > 1 optimizer with a CheckpointError
-(it would store blocks as if they were ranges of the full parameters).
+parameters, and read the sharded (DCP) optimizer checkpoints the other plugins' `save_state` writes
+(`ShardedDCPReader`); the booster's generic optimizer path refuses a tp > 1 optimizer with a
+CheckpointError (it would store blocks as if they were ranges of the full parameters).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,12 @@ from torch import nn
 from megalith.booster.optim_state import _meta
 from megalith.booster.plugins import hybrid_pp
 from megalith.booster.plugins.base import Boosted, MemoryPlan, Plugin, fp32_snapshot
-from megalith.booster.plugins.hybrid_optim import TPReplicatedOptimizer, TPZeroOptimizer, load_pieces
+from megalith.booster.plugins.hybrid_optim import (
+    TPReplicatedOptimizer,
+    TPZeroOptimizer,
+    _LocalPieces,
+    load_pieces,
+)
 from megalith.booster.plugins.hybrid_plan import (
     hybrid_memory_plan,
     local_parameter_counts,
@@ -42,6 +49,7 @@ from megalith.booster.precision import Precision
 from megalith.checkpoint import (
     commit,
     fresh_staging,
+    is_dcp,
     resolve,
     staging_path,
     unique_tensors,
@@ -54,6 +62,7 @@ from megalith.optim import BoostedOptimizer
 from megalith.policies import Policy, policy_for
 from megalith.tensor_parallel import (
     SEQUENCE_MODES,
+    ShardedDCPReader,
     ShardedPieceReader,
     TensorParallelInfo,
     TensorParallelPlan,
@@ -287,8 +296,15 @@ class HybridPlugin(Plugin):
         return hybrid_pp.execute_pipeline(self, data_iter, model, criterion, optimizer, return_loss)
 
     def load_optimizer_state(self, optimizer: BoostedOptimizer, directory: Path) -> None:
-        """Read a piece checkpoint of any layout (any tp × dp, DDP, ZeRO, one process)."""
-        load_pieces(optimizer, ShardedPieceReader(directory, self._params))
+        """Read an optimizer checkpoint of any layout (any tp × dp, DDP, ZeRO, FSDP2, one process):
+        the per-rank piece format or a sharded (DCP) one, full parameters sliced into this rank's blocks."""
+        if not is_dcp(directory):
+            load_pieces(optimizer, ShardedPieceReader(directory, self._params))
+            return
+        from megalith.booster.checkpointing import load_optimizer_dcp  # (imports the plugins)
+
+        with optimizer.local_loads() if isinstance(optimizer, _LocalPieces) else nullcontext():
+            load_optimizer_dcp(optimizer, directory, ShardedDCPReader(directory, self._params))
 
     def save_optimizer(self, optimizer: BoostedOptimizer, path: str | Path) -> Path:
         """Atomic `save_optimizer_state` into `path` (every rank calls it)."""
