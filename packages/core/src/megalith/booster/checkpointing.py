@@ -45,14 +45,11 @@ from megalith.checkpoint.dcp import (
     save_pieces,
     split_for_rank,
 )
+from megalith.checkpoint.optimizer_io import MASTER, SCALAR, SEP
 from megalith.common.errors import CheckpointError
 from megalith.optim import BoostedOptimizer, PieceRef
 
 logger = logging.getLogger(__name__)
-
-SEP = "::"
-SCALAR = "#"
-MASTER = "master"
 
 
 def _rank_world() -> tuple[int, int]:

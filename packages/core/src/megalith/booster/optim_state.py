@@ -14,10 +14,9 @@ from typing import Any
 import torch
 
 from megalith.checkpoint import OptimPiece, PieceReader, write_meta, write_pieces
+from megalith.checkpoint.optimizer_io import MASTER
 from megalith.common.errors import CheckpointError
 from megalith.optim import BoostedOptimizer
-
-MASTER = "master"
 
 
 def save_optimizer_state(opt: BoostedOptimizer, directory: Path, rank: int) -> None:

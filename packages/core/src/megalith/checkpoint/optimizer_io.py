@@ -22,6 +22,8 @@ from safetensors.torch import save_file
 from megalith.common.errors import CheckpointError
 
 SEP = "::"
+MASTER = "master"  # the state key of a parameter's (fp32) master copy
+SCALAR = "#"  # prefix of scalar state keys in a sharded (DCP) optimizer checkpoint ("#step")
 
 
 @dataclass(frozen=True)

@@ -23,13 +23,11 @@ import torch.distributed as dist
 from torch import nn
 
 from megalith.checkpoint import DCPReader, OptimPiece, PieceReader, unique_state
-from megalith.checkpoint.optimizer_io import SEP
+from megalith.checkpoint.optimizer_io import MASTER, SCALAR, SEP
 from megalith.common.errors import CheckpointError
 from megalith.optim import BoostedOptimizer
 from megalith.tensor_parallel.comm import Group, group_size
 from megalith.tensor_parallel.layers import ShardSpec, shard_spec
-
-MASTER = "master"
 
 
 def gather_full(local: torch.Tensor, spec: ShardSpec, group: Group) -> torch.Tensor:
@@ -191,7 +189,7 @@ class ShardedDCPReader(DCPReader):
 
     def _spec(self, fqn: str) -> ShardSpec | None:
         name, _, key = fqn.partition(SEP)
-        return None if key.startswith("#") else self._specs.get(name)  # "#...": scalar states
+        return None if key.startswith(SCALAR) else self._specs.get(name)
 
     def expect(self, requests: Any, batch_bytes: int = 2**28) -> None:
         full: list[tuple[str, int, int]] = []
