@@ -73,8 +73,11 @@ class Booster:
         kernels: bool = False,
         compile: bool = False,
     ) -> None:
-        """`kernels=True` swaps megalith's fused kernels into HF Llama/Qwen2/Mistral models
-        (`megalith.policies.kernels`); `compile=True` runs `torch.compile` on the boosted model."""
+        """`precision`: "fp32", "bf16" / "fp16" (fp32 master weights; fp16 with loss scaling) or
+        "bf16-true" (everything in bf16, no masters; DDPPlugin and ZeroPlugin stages 1-2).
+        `kernels=True` swaps megalith's fused kernels into HF Llama/Qwen2/Mistral models
+        (`megalith.policies.kernels`); `compile=True` runs `torch.compile` on the boosted model
+        (measured slower than eager together with `kernels=True` on an H200: see the README)."""
         self.plugin = plugin or DDPPlugin()
         self.precision = precision if isinstance(precision, Precision) else Precision(precision)
         if self.precision.name == "bf16-true" and not self.plugin.supports_bf16_true:
