@@ -134,9 +134,8 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     The vocabulary is the 10 digits, the words of the reverse prompt and 5 specials (26 tokens).
     """
-    import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     from megalith_chat.data.tasks import reverse_digits_task
 
@@ -151,45 +150,36 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<|end|>"
     )
     fast.chat_template = TINY_TEMPLATE
-    fast.save_pretrained(str(path))
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(fast),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=fast.pad_token_id,
-        eos_token_id=fast.eos_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(config).save_pretrained(str(path))
+    _save_tiny_llama(path, fast, hidden=64, tie_word_embeddings=False)
     return path
 
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory, chat_tokenizer: Any) -> Path:
     """A tiny random Llama (hidden 32, 2 layers, GQA 4/2) saved with the chat tokenizer; read-only for tests."""
+    path = tmp_path_factory.mktemp("tiny_llama")
+    chat_tokenizer.save_pretrained(str(path))
+    _save_tiny_llama(path, chat_tokenizer, hidden=32)
+    return path
+
+
+def _save_tiny_llama(path: Path, tokenizer: Any, hidden: int, **extra: Any) -> None:
+    """A random 2-layer Llama (GQA 4/2, MLP 2 x hidden) over `tokenizer`'s vocabulary, seed 0, saved to `path`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    path = tmp_path_factory.mktemp("tiny_llama")
-    chat_tokenizer.save_pretrained(str(path))
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(chat_tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
-        pad_token_id=chat_tokenizer.pad_token_id,
-        eos_token_id=chat_tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
+        **extra,
     )
     LlamaForCausalLM(config).save_pretrained(str(path))
-    return path

@@ -22,13 +22,11 @@ from megalith_chat.cli import main
 from megalith_chat.engine.config import EngineConfig, GRPORunConfig
 from megalith_chat.messages import RolloutBatch
 from megalith_chat.modeling import LoraSpec
-from megalith_chat.rollout.generation import response_logprobs
 from megalith_chat.rollout.weight_sync import layout_hash, sync_parameters
+from megalith_chat.testing import LR, VOCAB, grpo_batch, grpo_reference_update
 from megalith_chat.trainer.grpo import GRPOLearner, LearnerConfig
 from megalith_chat.trainer.pp import check_pipeline, full_parameters, pipeline_options
 from megalith_chat.trainer.setup import make_booster, make_optimizer
-
-VOCAB, G, PROMPTS, P, R, LR = 61, 4, 2, 5, 6, 1e-2
 
 
 def _model() -> torch.nn.Module:
@@ -36,38 +34,11 @@ def _model() -> torch.nn.Module:
 
 
 def _batch() -> RolloutBatch:
-    g = torch.Generator().manual_seed(3)
-    b = G * PROMPTS
-    prompt_ids = torch.randint(2, VOCAB, (b, P), generator=g)
-    prompt_mask = torch.ones(b, P, dtype=torch.long)
-    prompt_mask[0, :2] = 0  # a left-padded prompt: position ids come from the mask
-    prompt_mask[5, :1] = 0
-    response_ids = torch.randint(2, VOCAB, (b, R), generator=g)
-    lengths = torch.randint(2, R + 1, (b,), generator=g)
-    response_mask = (torch.arange(R)[None, :] < lengths[:, None]).long()
-    with torch.no_grad():
-        old = response_logprobs(_model(), prompt_ids, prompt_mask, response_ids, response_mask) - 0.05
-    rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.2])
-    return RolloutBatch(prompt_ids, prompt_mask, response_ids, response_mask, old, rewards, G, 0, 0)
+    return grpo_batch(_model(), ((0, 2), (5, 1)), 0.05)
 
 
 def _reference_update() -> dict[str, torch.Tensor]:
-    """One process: token-mean of -A_i * ratio over the batch (ratio within the clip range), clip
-    1.0, AdamW."""
-    batch = _batch()
-    model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
-    r = batch.rewards.view(PROMPTS, G)
-    adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).view(-1)
-    logp = response_logprobs(
-        model, batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask
-    )
-    mask = batch.response_mask.float()
-    loss = -(adv[:, None] * torch.exp(logp - batch.rollout_logprobs) * mask).sum() / mask.sum()
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return grpo_reference_update(_model(), _batch())
 
 
 CONFIG = LearnerConfig(loss=PolicyLossConfig(), micro_batch_size=3, max_grad_norm=1.0, track_kl=False)

@@ -20,48 +20,19 @@ from megalith_chat.cli import main
 from megalith_chat.engine.config import EngineConfig, GRPORunConfig
 from megalith_chat.messages import RolloutBatch
 from megalith_chat.modeling import LoraSpec
-from megalith_chat.rollout.generation import response_logprobs
 from megalith_chat.rollout.weight_sync import layout_hash, sync_parameters
+from megalith_chat.testing import LR, VOCAB, grpo_batch, grpo_reference_update
 from megalith_chat.trainer.grpo import GRPOLearner, LearnerConfig
 from megalith_chat.trainer.parallel import check_parallel, full_parameters, pad_sequence_to_multiple
 from megalith_chat.trainer.setup import make_booster, make_optimizer
 
-VOCAB, G, PROMPTS, P, R, LR = 61, 4, 2, 5, 6, 1e-2  # prompt + response = 11 tokens: odd on purpose
-
 
 def _batch() -> RolloutBatch:
-    g = torch.Generator().manual_seed(3)
-    b = G * PROMPTS
-    prompt_ids = torch.randint(2, VOCAB, (b, P), generator=g)
-    prompt_mask = torch.ones(b, P, dtype=torch.long)
-    prompt_mask[0, :2] = 0  # a left-padded prompt
-    response_ids = torch.randint(2, VOCAB, (b, R), generator=g)
-    lengths = torch.randint(2, R + 1, (b,), generator=g)
-    response_mask = (torch.arange(R)[None, :] < lengths[:, None]).long()
-    with torch.no_grad():
-        old = response_logprobs(
-            tiny_llama(seed=0, vocab_size=VOCAB), prompt_ids, prompt_mask, response_ids, response_mask
-        )
-    rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.2])
-    return RolloutBatch(prompt_ids, prompt_mask, response_ids, response_mask, old, rewards, G, 0, 0)
+    return grpo_batch(tiny_llama(seed=0, vocab_size=VOCAB))
 
 
 def _reference_update() -> dict[str, torch.Tensor]:
-    """One process: token-mean of -A_i * ratio over the batch, clip 1.0, AdamW."""
-    batch = _batch()
-    model = tiny_llama(seed=0, vocab_size=VOCAB)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
-    r = batch.rewards.view(PROMPTS, G)
-    adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).view(-1)
-    logp = response_logprobs(
-        model, batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask
-    )
-    mask = batch.response_mask.float()
-    loss = -(adv[:, None] * torch.exp(logp - batch.rollout_logprobs) * mask).sum() / mask.sum()
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return grpo_reference_update(tiny_llama(seed=0, vocab_size=VOCAB), _batch())
 
 
 def _grpo_step(sp_mode: str) -> list[tuple[str, torch.Tensor]]:

@@ -380,9 +380,9 @@ class AsyncCheckpoint:
 
 
 @atexit.register
-def _finish_saves_in_flight(timeout_s: float | None = None) -> None:
+def _finish_saves_in_flight() -> None:
     """Exit hook: let asynchronous saves that nobody waited for finish (see `AsyncCheckpoint`)."""
-    deadline = time.monotonic() + (EXIT_WAIT_S if timeout_s is None else timeout_s)
+    deadline = time.monotonic() + EXIT_WAIT_S
     for pending in list(_IN_FLIGHT):
         if not pending.done():
             logger.info("waiting for the asynchronous save of %s before exiting", pending.path)

@@ -127,6 +127,9 @@ def fused_linear_ce(
     return loss, dh, dw.to(w.dtype) if with_grad else dw
 
 
+_HAS_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")  # torch >= 2.8 (CUDA kernels)
+
+
 def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
     """acc (fp32) += a @ b: one matmul with fp32 output and beta = 1 on CUDA (bf16/fp16 inputs),
     else the product is formed in the inputs' dtype and added."""
@@ -136,9 +139,6 @@ def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
         torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     else:
         acc += a @ b
-
-
-_HAS_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
 
 
 @fused_linear_ce.register_fake

@@ -192,12 +192,11 @@ class ShardedDCPReader(DCPReader):
         return None if key.startswith(SCALAR) else self._specs.get(name)
 
     def expect(self, requests: Any, batch_bytes: int = 2**28) -> None:
-        full: list[tuple[str, int, int]] = []
+        """Announce the full tensors behind the local ranges (each once, in first-use order)."""
+        full: dict[tuple[str, int, int], None] = {}
         for fqn, start, end in requests:
             spec = self._spec(fqn)
-            request = (fqn, start, end) if spec is None else (fqn, 0, math.prod(spec.full_shape))
-            if request not in full:
-                full.append(request)
+            full[(fqn, start, end) if spec is None else (fqn, 0, math.prod(spec.full_shape))] = None
         super().expect(full, batch_bytes)
 
     def read(self, fqn: str, start: int, end: int) -> torch.Tensor:

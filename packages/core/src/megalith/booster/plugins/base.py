@@ -140,19 +140,25 @@ def fp32_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def optimizer_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, str]:
+    """The model's parameter → name map; ConfigError if the optimizer holds parameters outside it."""
+    names = named_parameter_map(model)
+    unknown = [p for g in optimizer.param_groups for p in g["params"] if p not in names]
+    if unknown:
+        raise ConfigError(f"optimizer holds {len(unknown)} parameter(s) that are not in the model")
+    return names
+
+
 def replicated(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, precision: Precision
 ) -> ReplicatedOptimizer | None:
     """Cast `model` to the precision's dtype and wrap `optimizer` for replicated parameters: fp32
     masters (starting from the exact fp32 values, not the rounded copies) under mixed precision."""
+    names = optimizer_names(model, optimizer) if optimizer is not None else {}
     fp32 = fp32_snapshot(model) if precision.mixed else {}
     model.to(precision.dtype)
     if optimizer is None:
         return None
-    names = named_parameter_map(model)
-    unknown = [p for g in optimizer.param_groups for p in g["params"] if p not in names]
-    if unknown:
-        raise ConfigError(f"optimizer holds {len(unknown)} parameter(s) that are not in the model")
     wrapped = ReplicatedOptimizer(optimizer, names, precision.make_scaler(), masters=precision.mixed)
     if precision.mixed:
         wrapped.load_master_values(lambda name, s, e: fp32[name].view(-1)[s:e])

@@ -33,12 +33,7 @@ from torch import nn
 from megalith.booster.optim_state import _meta
 from megalith.booster.plugins import hybrid_pp
 from megalith.booster.plugins.base import Boosted, MemoryPlan, Plugin, fp32_snapshot
-from megalith.booster.plugins.hybrid_optim import (
-    TPReplicatedOptimizer,
-    TPZeroOptimizer,
-    _LocalPieces,
-    load_pieces,
-)
+from megalith.booster.plugins.hybrid_optim import TPReplicatedOptimizer, TPZeroOptimizer, load_pieces
 from megalith.booster.plugins.hybrid_plan import (
     hybrid_memory_plan,
     local_parameter_counts,
@@ -303,7 +298,7 @@ class HybridPlugin(Plugin):
             return
         from megalith.booster.checkpointing import load_optimizer_dcp  # (imports the plugins)
 
-        with optimizer.local_loads() if isinstance(optimizer, _LocalPieces) else nullcontext():
+        with getattr(optimizer, "local_loads", nullcontext)():  # tp optimizers read in block coordinates
             load_optimizer_dcp(optimizer, directory, ShardedDCPReader(directory, self._params))
 
     def save_optimizer(self, optimizer: BoostedOptimizer, path: str | Path) -> Path:

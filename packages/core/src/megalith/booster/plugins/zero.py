@@ -10,12 +10,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalith.booster.plugins.base import Boosted, MemoryPlan, Plugin, fp32_snapshot, replicated, unique_state
+from megalith.booster.plugins.base import (
+    Boosted,
+    MemoryPlan,
+    Plugin,
+    fp32_snapshot,
+    optimizer_names,
+    replicated,
+    unique_state,
+)
 from megalith.booster.precision import Precision
 from megalith.common.device import get_device
 from megalith.common.errors import CheckpointError, ConfigError
 from megalith.optim import BoostedOptimizer
-from megalith.zero import ZeroConfig, ZeroOptimizer, named_parameter_map
+from megalith.zero import ZeroConfig, ZeroOptimizer
 from megalith.zero.lazy import deterministic_values
 from megalith.zero.stage3_optim import Zero3Optimizer
 
@@ -51,10 +59,7 @@ class ZeroPlugin(Plugin):
     ) -> Boosted:
         if optimizer is None:
             raise ConfigError("ZeroPlugin needs an optimizer: it shards the optimizer's states")
-        names = named_parameter_map(model)
-        unknown = [p for g in optimizer.param_groups for p in g["params"] if p not in names]
-        if unknown:
-            raise ConfigError(f"optimizer holds {len(unknown)} parameter(s) that are not in the model")
+        names = optimizer_names(model, optimizer)
         lazy = any(p.is_meta for p in names)
         if lazy and self.config.stage != 3:
             raise ConfigError("a model on the meta device needs ZeroPlugin(stage=3) (lazy init)")
