@@ -150,6 +150,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<|end|>"
     )
     fast.chat_template = TINY_TEMPLATE
+    fast.save_pretrained(str(path))
     _save_tiny_llama(path, fast, hidden=64, tie_word_embeddings=False)
     return path
 
