@@ -2,8 +2,10 @@
 speed vs the torch eager op, at realistic shapes (16k tokens, hidden 2048 and 4096).
 
 Bytes counted are the minimum each op must move (every input read once, every output written
-once); bandwidth = bytes / time; the ceiling is a device-to-device copy of 2 GiB measured in the
-same run (bytes read + written / time). `--device cpu` runs tiny shapes through whatever backend
+once); bandwidth = bytes / time, where time is the GPU kernel time per call from the profiler's
+device timeline (all kernels the call launches), as inside a training step where the host runs
+ahead; `launch_ms` is one call timed with CUDA events, host launch cost included. The ceiling is a
+device-to-device copy of 2 GiB measured the same way in the same run (bytes read + written / time). `--device cpu` runs tiny shapes through whatever backend
 the registry picks (slow; a smoke test).
 
     python benchmarks/gpu_kernels.py                 # GPU, writes results/gpu_kernels_h200.json
@@ -29,7 +31,8 @@ from megalith.kernels import FusedAdamW, apply_rotary, get_kernel, pick_backend
 
 
 def bench(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
-    """Median seconds per call (CUDA events on GPU, wall clock on CPU), after 3 warm-ups."""
+    """Median seconds per call, launch included (CUDA events around one call on GPU, wall clock on
+    CPU), after 3 warm-ups. Small kernels are bounded by the host's launch cost here."""
     for _ in range(3):
         fn()
     times = []
@@ -48,10 +51,29 @@ def bench(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def device_time(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
+    """Seconds of GPU kernel time per call (every kernel, memset and copy the call launches, summed
+    from the profiler's device timeline): what the op costs inside a step where the host runs
+    ahead. Equal to `bench` on CPU."""
+    if device.type != "cuda":
+        return bench(fn, device, reps)
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / 1e6 / reps
+
+
 def copy_ceiling(device: torch.device, numel: int, reps: int) -> float:
     src = torch.empty(numel, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    return 2 * numel / bench(lambda: dst.copy_(src), device, reps)
+    return 2 * numel / device_time(lambda: dst.copy_(src), device, reps)
 
 
 def _hf_rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -132,15 +154,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _row(name, shape, nbytes, ours, ref, dev, reps, ceiling, ref_label="torch eager") -> dict[str, Any]:  # noqa: PLR0913
-    t_ours, t_ref = bench(ours, dev, reps), bench(ref, dev, reps)
+    t_ours, t_ref = device_time(ours, dev, reps), device_time(ref, dev, reps)
     row = {
         "kernel": name, "shape": shape, "bytes": nbytes, "ms": t_ours * 1e3, "torch_ms": t_ref * 1e3,
         "GBps": nbytes / t_ours / 1e9, "frac_of_copy": nbytes / t_ours / ceiling,
         "speedup_vs_torch": t_ref / t_ours, "torch_ref": ref_label,
+        "launch_ms": bench(ours, dev, reps) * 1e3, "torch_launch_ms": bench(ref, dev, reps) * 1e3,
     }  # fmt: skip
     print(
         f"{name:14s} {shape:26s} {row['ms']:8.3f} ms {row['GBps']:8.1f} GB/s "
-        f"{100 * row['frac_of_copy']:5.1f}% of copy  x{row['speedup_vs_torch']:.2f} vs {ref_label}",
+        f"{100 * row['frac_of_copy']:5.1f}% of copy  x{row['speedup_vs_torch']:.2f} vs {ref_label}  "
+        f"(one call with launch: {row['launch_ms']:.3f} ms vs {row['torch_launch_ms']:.3f} ms)",
         flush=True,
     )
     return row

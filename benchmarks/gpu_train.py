@@ -150,7 +150,7 @@ def _profile(step: Any, ids: torch.Tensor) -> None:
             step(ids)
         torch.cuda.synchronize()
     print(
-        prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60),
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=50, max_name_column_width=70),
         file=sys.stderr,
     )
 

@@ -227,7 +227,8 @@ def test_fused_linear_cross_entropy_without_grad_skips_gradients(backend):
 def test_fused_adamw_matches_torch_adamw(backend, weight_decay):
     torch.manual_seed(0)
     shapes = [(33, 7), (5,), (4, 3, 2)]
-    ours = [torch.randn(s, device=DEVICE) for s in shapes]
+    # the last one transposed (non-contiguous): the torch fallback steps it
+    ours = [torch.randn(s, device=DEVICE) for s in shapes] + [torch.randn(3, 4, device=DEVICE).t()]
     ref = [p.clone() for p in ours]
     groups = lambda ps: [{"params": ps[:2]}, {"params": ps[2:], "lr": 0.05}]  # noqa: E731
     opt = FusedAdamW(groups(ours), lr=0.1, betas=(0.8, 0.95), eps=1e-6, weight_decay=weight_decay)

@@ -1,14 +1,32 @@
 """The kernels as torch custom ops (``megalith::*``), so `torch.compile` treats each launch as one
 opaque node instead of breaking the graph. Each op's body dispatches per call (Triton or the torch
-fallback, see `registry.pick_backend`); fake implementations give shapes for tracing."""
+fallback, see `registry.pick_backend`); fake implementations give shapes for tracing. Eager calls
+run the body directly: the op dispatcher's per-call host cost is that of a small kernel, and in a
+training step the host falling behind the GPU leaves it idle."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from megalith.kernels import ops_torch, ops_triton  # noqa: F401  (registers both backends)
 from megalith.kernels.registry import get_kernel
+
+
+class _op:  # a decorator, like torch.library.custom_op
+    """``megalith::<name>`` for `torch.compile`; the plain function when not compiling."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.op = torch.library.custom_op(f"megalith::{fn.__name__}", mutates_args=())(fn)
+        self.register_fake = self.op.register_fake
+
+    def __call__(self, *args: Any) -> Any:
+        return self.op(*args) if torch.compiler.is_compiling() else self.fn(*args)
+
 
 _rms_fwd = get_kernel("rms_norm_fwd")
 _rms_bwd = get_kernel("rms_norm_bwd")
@@ -19,7 +37,7 @@ _swiglu_bwd_h = get_kernel("swiglu_bwd_h")
 _ce_rows = get_kernel("ce_rows")
 
 
-@torch.library.custom_op("megalith::rms_norm_fwd", mutates_args=())
+@_op
 def rms_norm_fwd(x: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     return _rms_fwd(x, w, eps)
 
@@ -29,7 +47,7 @@ def _(x: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     return torch.empty_like(x), x.new_empty(x.shape[0], dtype=torch.float32)
 
 
-@torch.library.custom_op("megalith::rms_norm_bwd", mutates_args=())
+@_op
 def rms_norm_bwd(dy: Tensor, x: Tensor, w: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
     return _rms_bwd(dy, x, w, rstd)
 
@@ -39,7 +57,7 @@ def _(dy: Tensor, x: Tensor, w: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
     return torch.empty_like(x), torch.empty_like(w)
 
 
-@torch.library.custom_op("megalith::rope", mutates_args=())
+@_op
 def rope(x: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> Tensor:
     return _rope(x, cos, sin, backward)
 
@@ -49,7 +67,7 @@ def _(x: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> Tensor:
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("megalith::swiglu_fwd", mutates_args=())
+@_op
 def swiglu_fwd(g: Tensor, u: Tensor) -> Tensor:
     return _swiglu_fwd(g, u)
 
@@ -59,7 +77,7 @@ def _(g: Tensor, u: Tensor) -> Tensor:
     return g.new_empty(g.shape)
 
 
-@torch.library.custom_op("megalith::swiglu_bwd", mutates_args=())
+@_op
 def swiglu_bwd(dy: Tensor, g: Tensor, u: Tensor) -> Tensor:
     return _swiglu_bwd(dy, g, u)
 
@@ -69,7 +87,7 @@ def _(dy: Tensor, g: Tensor, u: Tensor) -> Tensor:
     return g.new_empty(g.shape[0], 2 * g.shape[1])
 
 
-@torch.library.custom_op("megalith::swiglu_bwd_h", mutates_args=())
+@_op
 def swiglu_bwd_h(dy: Tensor, g: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
     return _swiglu_bwd_h(dy, g, u)
 
@@ -79,7 +97,7 @@ def _(dy: Tensor, g: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
     return g.new_empty(g.shape[0], 2 * g.shape[1]), g.new_empty(g.shape)
 
 
-@torch.library.custom_op("megalith::gate_up", mutates_args=())
+@_op
 def gate_up(x: Tensor, w_gate: Tensor, w_up: Tensor) -> Tensor:
     """[x Wgᵀ | x Wuᵀ] as one [M, 2I] tensor: two matmuls writing the halves in place (strided
     outputs, which `torch.compile` cannot trace — hence an op), no concatenated weight."""
@@ -102,7 +120,7 @@ def chunk_rows(tokens: int, vocab: int, hidden: int) -> int:
     return max(1, min(tokens, 1 << (rows.bit_length() - 1)))
 
 
-@torch.library.custom_op("megalith::fused_linear_ce", mutates_args=())
+@_op
 def fused_linear_ce(
     h: Tensor, w: Tensor, labels: Tensor, ignore_index: int, mean: bool, with_grad: bool
 ) -> tuple[Tensor, Tensor, Tensor]:

@@ -4,6 +4,7 @@ Triton) is imported on first use only."""
 from __future__ import annotations
 
 import math
+from functools import cache
 from types import ModuleType
 
 import torch
@@ -17,10 +18,15 @@ def _tl() -> ModuleType:
     return module
 
 
-def _programs(rows: int, device: torch.device) -> int:
-    """Programs for row-loop kernels: a few per SM on a GPU, a handful in the interpreter."""
+@cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _programs(rows: int, device: torch.device, per_sm: int = 2) -> int:
+    """Programs for row-loop kernels: `per_sm` per SM on a GPU, a handful in the interpreter."""
     if device.type == "cuda":
-        return min(rows, 2 * torch.cuda.get_device_properties(device).multi_processor_count)
+        return min(rows, per_sm * _sm_count(device.index if device.index is not None else 0))
     return min(rows, 4)
 
 
@@ -53,11 +59,13 @@ def rms_norm_bwd(
     m, n = x.shape
     dx = torch.empty_like(x)
     block = tl_.block_for(n)
-    bm = _rows_per_tile(block)
+    # 4-row tiles, 2 programs per SM up to 2k columns and 1 beyond: the best of a sweep on an H200
+    # (78 % -> 81 % of copy at 16k x 2048, 66 % -> 85 % at 16k x 4096).
+    bm = _rows_per_tile(block) if interpret_mode() else max(1, min(4, 16384 // block))
     tiles = max(1, -(-m // bm))
-    per_prog = -(-tiles // max(1, _programs(tiles, x.device)))
+    per_prog = -(-tiles // max(1, _programs(tiles, x.device, 2 if block <= 2048 else 1)))
     progs = -(-tiles // per_prog)
-    partial = torch.zeros(progs, n, dtype=torch.float32, device=x.device)
+    partial = torch.empty(progs, n, dtype=torch.float32, device=x.device)  # every program writes its row
     if m:
         tl_.rms_bwd_kernel[(progs,)](
             dy, x, w, rstd, dx, partial, dy.stride(0), x.stride(0), dx.stride(0), m, n, per_prog,
