@@ -37,10 +37,12 @@ SYSTEMS = (
     "megalith",
     "megalith_eager",
     "megalith_mixed",
+    "megalith_multi_tensor",
     "kernels_bf16",
 )
 DEFAULT_SYSTEMS = ("hf_eager", "hf_compile", "hf_liger", "megalith", "megalith_eager")
-# megalith_eager: the Booster path without compile; megalith_mixed: with fp32 masters; kernels_bf16:
+# megalith_eager: the Booster path without compile; megalith_mixed: with fp32 masters;
+# megalith_multi_tensor: megalith_eager with FusedAdamW(multi_tensor=True); kernels_bf16:
 # megalith's kernel policy alone (torch fused AdamW, no Booster) - the like-for-like kernel comparison.
 TINYLLAMA = dict(
     vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
@@ -67,8 +69,9 @@ def build(system: str, args: argparse.Namespace, device: torch.device) -> tuple[
     with device:
         model = LlamaForCausalLM(config)
     if system.startswith("megalith"):
-        compile = system != "megalith_eager" and device.type == "cuda"
-        return _megalith(model, device, compile=compile, mixed=system == "megalith_mixed")
+        compile = system in ("megalith", "megalith_mixed") and device.type == "cuda"
+        multi = system == "megalith_multi_tensor"
+        return _megalith(model, device, compile=compile, mixed=system == "megalith_mixed", multi_tensor=multi)
     model.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
     if system == "kernels_bf16":
         from megalith.policies.kernels import apply_kernels
@@ -89,14 +92,16 @@ def build(system: str, args: argparse.Namespace, device: torch.device) -> tuple[
     return model, step, {"optimizer": f"torch AdamW({'fused' if fused else 'foreach'})", "weights": "bf16"}
 
 
-def _megalith(model: Any, device: torch.device, compile: bool, mixed: bool) -> tuple[Any, Any, Any]:
+def _megalith(
+    model: Any, device: torch.device, compile: bool, mixed: bool, multi_tensor: bool = False
+) -> tuple[Any, Any, Any]:
     from megalith.booster import Booster
     from megalith.booster.plugins import ZeroPlugin
     from megalith.kernels import FusedAdamW
 
     precision = "fp32" if device.type != "cuda" else "bf16" if mixed else "bf16-true"
     booster = Booster(plugin=ZeroPlugin(stage=2), precision=precision, kernels=True, compile=compile)
-    opt = FusedAdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    opt = FusedAdamW(model.parameters(), lr=1e-4, weight_decay=0.1, multi_tensor=multi_tensor)
     model, opt, *_ = booster.boost(model, opt)
 
     def step(ids: torch.Tensor) -> float:
@@ -107,7 +112,8 @@ def _megalith(model: Any, device: torch.device, compile: bool, mixed: bool) -> t
         return loss
 
     weights = {"bf16": "bf16 + fp32 masters", "bf16-true": "bf16"}.get(precision, precision)
-    return model, step, {"optimizer": "megalith FusedAdamW", "weights": weights, "compile": compile}
+    name = "megalith FusedAdamW" + (" (multi-tensor)" if multi_tensor else "")
+    return model, step, {"optimizer": name, "weights": weights, "compile": compile}
 
 
 def child(system: str, args: argparse.Namespace) -> dict[str, Any]:

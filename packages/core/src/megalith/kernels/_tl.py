@@ -186,3 +186,34 @@ def adamw_kernel(
     tl.store(P + offs, p.to(P.dtype.element_ty), mask=mask)
     tl.store(M + offs, m.to(M.dtype.element_ty), mask=mask)
     tl.store(V + offs, v.to(V.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def adamw_multi_kernel(
+    ADDRS, BLOCK_TENSOR, BLOCK_START, NUMELS, lr, beta1, beta2, eps, weight_decay, step_size, bc2_sqrt,
+    P_TY: tl.constexpr, S_TY: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """`adamw_kernel` over many tensors in one launch: program i updates block BLOCK_START[i] of
+    tensor BLOCK_TENSOR[i], whose p, g, m, v addresses are row t of ADDRS [T, 4] (p, g of dtype
+    P_TY; m, v of S_TY). The caller guarantees 16-byte aligned addresses and numels divisible by
+    16; the hints say so, without them the compiler cannot vectorise (16-bit scalar accesses)."""
+    pid = tl.program_id(0)
+    t = tl.load(BLOCK_TENSOR + pid).to(tl.int64)
+    n = tl.multiple_of(tl.load(NUMELS + t), 16)
+    offs = tl.multiple_of(tl.load(BLOCK_START + pid), BLOCK) + tl.arange(0, BLOCK)
+    mask = offs < n
+    P = tl.multiple_of(tl.load(ADDRS + 4 * t).to(tl.pointer_type(P_TY)), 16)
+    G = tl.multiple_of(tl.load(ADDRS + 4 * t + 1).to(tl.pointer_type(P_TY)), 16)
+    M = tl.multiple_of(tl.load(ADDRS + 4 * t + 2).to(tl.pointer_type(S_TY)), 16)
+    V = tl.multiple_of(tl.load(ADDRS + 4 * t + 3).to(tl.pointer_type(S_TY)), 16)
+    p = tl.load(P + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(M + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(V + offs, mask=mask, other=0.0).to(tl.float32)
+    p = p * (1.0 - lr * weight_decay)
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * g * g
+    p = p - step_size * m / (tl.sqrt(v) / bc2_sqrt + eps)
+    tl.store(P + offs, p.to(P_TY), mask=mask)
+    tl.store(M + offs, m.to(S_TY), mask=mask)
+    tl.store(V + offs, v.to(S_TY), mask=mask)

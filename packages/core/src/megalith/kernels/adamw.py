@@ -15,10 +15,12 @@ import torch
 
 from megalith.common.errors import ConfigError
 from megalith.kernels import ops_torch, ops_triton  # noqa: F401  (registers both backends)
+from megalith.kernels.ops_triton import multi_tensor_ok
 from megalith.kernels.registry import get_kernel, pick_backend
 
 _torch_adamw = get_kernel("adamw", "torch")
 _triton_adamw = get_kernel("adamw", "triton")
+_triton_adamw_multi = get_kernel("adamw_multi", "triton")
 
 
 def adamw_step(
@@ -39,7 +41,12 @@ def adamw_step(
 
 class FusedAdamW(torch.optim.Optimizer):
     """Drop-in for `torch.optim.AdamW` (same state keys: step, exp_avg, exp_avg_sq; amsgrad,
-    maximize and sparse gradients are not supported)."""
+    maximize and sparse gradients are not supported).
+
+    `multi_tensor=True` (opt-in, Triton backend) updates the aligned contiguous tensors of a group
+    in one launch over a table of addresses instead of one launch per tensor. Its kernel compiles
+    to the same 16-byte vector accesses as the per-tensor one (checked on the PTX by the tests);
+    its end-to-end speed on a GPU is not measured yet, so it is not the default."""
 
     def __init__(
         self,
@@ -48,12 +55,14 @@ class FusedAdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        multi_tensor: bool = False,
     ) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ConfigError(f"FusedAdamW: lr={lr}, eps={eps}, weight_decay={weight_decay} must be >= 0")
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ConfigError(f"FusedAdamW: betas {betas} must lie in [0, 1)")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.multi_tensor = multi_tensor
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -77,20 +86,37 @@ class FusedAdamW(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 todo.append((p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"]))
             if todo:
-                _update(todo, hyper)
+                _update(todo, hyper, self.multi_tensor)
         return loss
 
 
-def _update(todo: list[tuple[torch.Tensor, ...]], hyper: tuple[float, float, float, float, float]) -> None:
-    """Step every (p, g, m, v, step) of one group."""
+def _update(
+    todo: list[tuple[torch.Tensor, ...]], hyper: tuple[float, float, float, float, float], multi_tensor: bool
+) -> None:
+    """Step every (p, g, m, v, step) of one group: with `multi_tensor`, one launch per (device,
+    dtypes, step) for the tensors `multi_tensor_ok` accepts; one launch (or torch fallback) per
+    tensor otherwise."""
     torch._foreach_add_([t[4] for t in todo], 1.0)
     backends: dict[tuple[Any, ...], str] = {}
+    batches: dict[tuple[Any, ...], list[tuple[torch.Tensor, ...]]] = {}
     for p, g, m, v, step_t in todo:
         kind = (p.device, p.dtype, g.dtype, m.dtype, v.dtype)
         if kind not in backends:
             backends[kind] = pick_backend(p, g, m, v)
         step = int(step_t.item())
-        if backends[kind] == "triton" and all(t.is_contiguous() for t in (p, g, m, v)):
+        on_triton = backends[kind] == "triton"
+        if (
+            on_triton
+            and multi_tensor
+            and g.dtype == p.dtype
+            and v.dtype == m.dtype
+            and multi_tensor_ok(p, g, m, v)
+        ):
+            batches.setdefault((*kind, step), []).append((p, g, m, v))
+        elif on_triton and all(t.is_contiguous() for t in (p, g, m, v)):
             _triton_adamw(p, g, m, v, hyper, step)
         else:
             _torch_adamw(p, g, m, v, hyper, step)
+    for key, batch in batches.items():
+        ps, gs, ms, vs = (list(t) for t in zip(*batch, strict=True))
+        _triton_adamw_multi(ps, gs, ms, vs, hyper, key[-1])

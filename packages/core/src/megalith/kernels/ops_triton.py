@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from functools import cache
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -168,4 +169,63 @@ def adamw_(
     tl_.adamw_kernel[(-(-n // block),)](
         p, g, m, v, n, lr, beta1, beta2, eps, wd, lr / (1 - beta1**step),
         math.sqrt(1 - beta2**step), BLOCK=block, num_warps=8 if block >= 4096 else 4,
+    )  # fmt: skip
+
+
+_BLOCK_TABLES: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 table on `device` without a host sync (pinned staging: torch's host allocator keeps
+    the pinned block until the copy has run)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+
+
+def _block_tables(numels: list[int], block: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(tensor index, start offset) per program and the numels, cached per layout."""
+    key = (device, block, tuple(numels))
+    if key not in _BLOCK_TABLES:
+        owner: list[int] = []
+        start: list[int] = []
+        for t, n in enumerate(numels):
+            owner.extend([t] * -(-n // block))
+            start.extend(range(0, n, block))
+        _BLOCK_TABLES[key] = (
+            _to_device(owner, device),
+            _to_device(start, device),
+            _to_device(numels, device),
+        )
+    return _BLOCK_TABLES[key]
+
+
+def multi_tensor_ok(*tensors: torch.Tensor) -> bool:
+    """What `adamw_multi` requires of each tensor: contiguous, 16-byte aligned, numel % 16 == 0."""
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 and t.numel() % 16 == 0 for t in tensors)
+
+
+@register_kernel("adamw_multi", "triton")
+def adamw_multi_(
+    ps: list[torch.Tensor],
+    gs: list[torch.Tensor],
+    ms: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    hyper: tuple[float, float, float, float, float],
+    step: int,
+) -> None:
+    """`adamw_` on many tensors (`multi_tensor_ok`; one dtype for p and g, one for m and v) in one
+    launch, addresses read from a table: one launch's host cost instead of one per tensor."""
+    import triton.language as tl
+
+    tl_ = _tl()
+    lr, beta1, beta2, eps, wd = hyper
+    block = 1024 if interpret_mode() else 4096
+    device = ps[0].device
+    owner, start, numels = _block_tables([p.numel() for p in ps], block, device)
+    addrs = _to_device([t.data_ptr() for four in zip(ps, gs, ms, vs, strict=True) for t in four], device)
+    ty = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+    tl_.adamw_multi_kernel[(owner.numel(),)](
+        addrs, owner, start, numels, lr, beta1, beta2, eps, wd, lr / (1 - beta1**step),
+        math.sqrt(1 - beta2**step), P_TY=ty[ps[0].dtype], S_TY=ty[ms[0].dtype], BLOCK=block,
+        num_warps=8 if block >= 4096 else 4,
     )  # fmt: skip
