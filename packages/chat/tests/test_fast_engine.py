@@ -210,7 +210,7 @@ CHECK_KERNEL = """
 import torch
 from megalith_chat.engine.fast_attention import decode_attention
 g = torch.Generator().manual_seed(0)
-q, k, v = (torch.randn(3, 2, n, 16, generator=g) for n in (2, 90, 90))
+q, k, v = (torch.randn(3, 2, n, 16, generator=g) for n in (3, 90, 90))  # G = 3 query heads per KV head
 start, slot = torch.tensor([0, 5, 40]), torch.tensor(70)
 out = decode_attention(q, k, v, start, slot, 0.3, target_programs=12)
 ar = torch.arange(90)
@@ -221,7 +221,9 @@ print("MAXERR", float((out - ref).abs().max()))
 
 
 def test_triton_decode_attention_in_interpreter() -> None:
-    """The split-KV kernel against SDPA with the left-padding / slot mask (Triton interpreter, CPU).
+    """The split-KV kernel against SDPA with the left-padding / slot mask (Triton interpreter, CPU):
+    3 query heads per KV head (padded to 16 rows), two splits, rows starting inside and past the
+    first key block, the slot before the end of the cache.
 
     A subprocess: the interpreter must be chosen before Triton is first imported.
     """
