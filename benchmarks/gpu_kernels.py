@@ -4,9 +4,10 @@ speed vs the torch eager op, at realistic shapes (16k tokens, hidden 2048 and 40
 Bytes counted are the minimum each op must move (every input read once, every output written
 once); bandwidth = bytes / time, where time is the GPU kernel time per call from the profiler's
 device timeline (all kernels the call launches), as inside a training step where the host runs
-ahead; `launch_ms` is one call timed with CUDA events, host launch cost included. The ceiling is a
-device-to-device copy of 2 GiB measured the same way in the same run (bytes read + written / time). `--device cpu` runs tiny shapes through whatever backend
-the registry picks (slow; a smoke test).
+ahead; `launch_ms` is one call timed with CUDA events, host launch cost included. The ceiling is
+a device-to-device copy of 2 GiB measured the same way in the same run (bytes read + written /
+time). `--device cpu` runs tiny shapes through whatever backend the registry picks (slow; a smoke
+test).
 
     python benchmarks/gpu_kernels.py                 # GPU, writes results/gpu_kernels_h200.json
     python benchmarks/gpu_kernels.py --device cpu    # tiny shapes, writes gpu_kernels_cpu.json

@@ -122,9 +122,8 @@ def decode_attention(
     b, kv_heads, group, dim = q.shape
     kv_len = k.shape[2]
     bg = max(triton.next_power_of_2(group), 16)  # tl.dot needs 16 rows
-    bn = BLOCK_N
-    splits = max(1, min(triton.cdiv(kv_len, bn), triton.cdiv(target_programs, b * kv_heads)))
-    split_len = triton.cdiv(triton.cdiv(kv_len, splits), bn) * bn
+    splits = max(1, min(triton.cdiv(kv_len, BLOCK_N), triton.cdiv(target_programs, b * kv_heads)))
+    split_len = triton.cdiv(triton.cdiv(kv_len, splits), BLOCK_N) * BLOCK_N
     splits = triton.cdiv(kv_len, split_len)
     m = torch.empty(b * kv_heads * splits * bg, device=q.device, dtype=torch.float32)
     lsum = torch.empty_like(m)
@@ -133,7 +132,7 @@ def decode_attention(
     sk = k.stride()
     partial[(b * kv_heads, splits)](
         q, k, v, start, slot, m, lsum, acc, sk[0], sk[1], sk[2], kv_heads, kv_len, split_len, splits, scale,
-        G=group, BG=bg, D=dim, BN=bn, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        G=group, BG=bg, D=dim, BN=BLOCK_N, PREC="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     combine[(b * kv_heads,)](
         m, lsum, acc, out, splits, G=group, BG=bg, D=dim, BS=max(triton.next_power_of_2(splits), 2)

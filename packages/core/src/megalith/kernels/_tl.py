@@ -168,13 +168,9 @@ def ce_rows_kernel(L, LABELS, LOSS, SCALE, stride_l, V, ignore_index, BLOCK: tl.
 
 # -- AdamW -----------------------------------------------------------------------------------------
 @triton.jit
-def adamw_kernel(
-    P, G, M, V, n, lr, beta1, beta2, eps, weight_decay, step_size, bc2_sqrt, BLOCK: tl.constexpr
-):
+def _adamw_block(P, G, M, V, offs, mask, lr, beta1, beta2, eps, weight_decay, step_size, bc2_sqrt):
     """Decoupled weight decay (Loshchilov & Hutter): p ← p(1 − lr·wd); m ← β₁m + (1−β₁)g;
-    v ← β₂v + (1−β₂)g²; p ← p − (lr/bc₁)·m / (√v/√bc₂ + ε)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
+    v ← β₂v + (1−β₂)g²; p ← p − (lr/bc₁)·m / (√v/√bc₂ + ε), on elements `offs` of one tensor."""
     p = tl.load(P + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(M + offs, mask=mask, other=0.0).to(tl.float32)
@@ -189,11 +185,20 @@ def adamw_kernel(
 
 
 @triton.jit
+def adamw_kernel(
+    P, G, M, V, n, lr, beta1, beta2, eps, weight_decay, step_size, bc2_sqrt, BLOCK: tl.constexpr
+):
+    """`_adamw_block` over one tensor, a block per program."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    _adamw_block(P, G, M, V, offs, offs < n, lr, beta1, beta2, eps, weight_decay, step_size, bc2_sqrt)
+
+
+@triton.jit
 def adamw_multi_kernel(
     ADDRS, BLOCK_TENSOR, BLOCK_START, NUMELS, lr, beta1, beta2, eps, weight_decay, step_size, bc2_sqrt,
     P_TY: tl.constexpr, S_TY: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """`adamw_kernel` over many tensors in one launch: program i updates block BLOCK_START[i] of
+    """`_adamw_block` over many tensors in one launch: program i updates block BLOCK_START[i] of
     tensor BLOCK_TENSOR[i], whose p, g, m, v addresses are row t of ADDRS [T, 4] (p, g of dtype
     P_TY; m, v of S_TY). The caller guarantees 16-byte aligned addresses and numels divisible by
     16; the hints say so, without them the compiler cannot vectorise (16-bit scalar accesses)."""
@@ -201,19 +206,8 @@ def adamw_multi_kernel(
     t = tl.load(BLOCK_TENSOR + pid).to(tl.int64)
     n = tl.multiple_of(tl.load(NUMELS + t), 16)
     offs = tl.multiple_of(tl.load(BLOCK_START + pid), BLOCK) + tl.arange(0, BLOCK)
-    mask = offs < n
     P = tl.multiple_of(tl.load(ADDRS + 4 * t).to(tl.pointer_type(P_TY)), 16)
     G = tl.multiple_of(tl.load(ADDRS + 4 * t + 1).to(tl.pointer_type(P_TY)), 16)
     M = tl.multiple_of(tl.load(ADDRS + 4 * t + 2).to(tl.pointer_type(S_TY)), 16)
     V = tl.multiple_of(tl.load(ADDRS + 4 * t + 3).to(tl.pointer_type(S_TY)), 16)
-    p = tl.load(P + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(M + offs, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(V + offs, mask=mask, other=0.0).to(tl.float32)
-    p = p * (1.0 - lr * weight_decay)
-    m = beta1 * m + (1.0 - beta1) * g
-    v = beta2 * v + (1.0 - beta2) * g * g
-    p = p - step_size * m / (tl.sqrt(v) / bc2_sqrt + eps)
-    tl.store(P + offs, p.to(P_TY), mask=mask)
-    tl.store(M + offs, m.to(S_TY), mask=mask)
-    tl.store(V + offs, v.to(S_TY), mask=mask)
+    _adamw_block(P, G, M, V, offs, offs < n, lr, beta1, beta2, eps, weight_decay, step_size, bc2_sqrt)

@@ -106,17 +106,3 @@ def adamw_(
     v.mul_(beta2).addcmul_(g.to(v.dtype), g.to(v.dtype), value=1 - beta2)
     denom = (v.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
     p.addcdiv_(m, denom, value=-lr / (1 - beta1**step))
-
-
-@register_kernel("adamw_multi", "torch")
-def adamw_multi_(
-    ps: list[torch.Tensor],
-    gs: list[torch.Tensor],
-    ms: list[torch.Tensor],
-    vs: list[torch.Tensor],
-    hyper: tuple[float, float, float, float, float],
-    step: int,
-) -> None:
-    """`adamw_` on each tensor of the lists."""
-    for p, g, m, v in zip(ps, gs, ms, vs, strict=True):
-        adamw_(p, g, m, v, hyper, step)
