@@ -5,8 +5,8 @@ Model: a randomly initialised Llama of the 0.37B shape (hidden 1024, intermediat
 new tokens, sampling at temperature 1 (no top-k/top-p), no EOS, so every row decodes all 256.
 Each system runs in its own process (``--worker``); the main process measures the copy bandwidth
 and writes ``benchmarks/results/gpu_generate_h200.json``. ``fast`` is the engine's default
-configuration (SDPA decode attention, compiled elementwise ops, fused decode prologue, CUDA graphs);
-``fast_triton`` swaps in the split-KV Triton decode attention; ``fast_nocompile`` / ``fast_eager``
+configuration (split-KV Triton decode attention, compiled elementwise ops, fused decode prologue,
+CUDA graphs); ``fast_sdpa`` swaps in SDPA for the decode attention; ``fast_nocompile`` / ``fast_eager``
 drop the compiled ops / the graphs too.
 
 Memory-bound floor (new tokens/s): a decode step must read every weight that takes part in it
@@ -37,7 +37,7 @@ from _common import RESULTS, environment
 
 SYSTEMS = (
     "fast",
-    "fast_triton",
+    "fast_sdpa",
     "hf_static",
     "hf_dynamic",
     "grpo_fast",
@@ -146,8 +146,8 @@ def run_fast(args: argparse.Namespace, model: Any, batch: int, mode: str) -> dic
         max_batch=batch,
         max_len=args.prompt_len + args.new_tokens,
         cuda_graphs=mode != "fast_eager",
-        compile_ops=mode in ("fast", "fast_triton"),
-        attention="triton" if mode == "fast_triton" else "sdpa",
+        compile_ops=mode in ("fast", "fast_sdpa"),
+        attention="sdpa" if mode == "fast_sdpa" else "auto",
     )
     engine = FastEngine(model, cfg, device=args.device)
     ids, mask = prompts(args, batch, model.config.vocab_size)
@@ -290,9 +290,7 @@ def worker(args: argparse.Namespace) -> None:
     if name.startswith("grpo"):
         results.append(run_grpo(args, model, name == "grpo_fast"))
     else:
-        batches = (
-            args.batches[:1] if name in ("fast_nocompile", "fast_eager", "fast_triton") else args.batches
-        )
+        batches = args.batches[:1] if name in ("fast_nocompile", "fast_eager", "fast_sdpa") else args.batches
         for b in batches:
             if name.startswith("fast"):
                 results.append(run_fast(args, model, b, name))

@@ -1,13 +1,14 @@
 """A fast rollout engine for HF Llama / Qwen2 / Mistral decoders: static KV cache + CUDA graphs.
 
 The engine copies the model's weights into its own fused storage (:mod:`.fast_weights`) and runs
-its own forward (:mod:`.fast_ops`, SDPA attention) against a preallocated cache
+its own forward (:mod:`.fast_ops`; decode attention by the split-KV Triton kernel of
+:mod:`.fast_attention` on CUDA, SDPA otherwise) against a preallocated cache
 
     ``k_cache, v_cache : [layers, max_batch, kv_heads, max_len, head_dim]``.
 
 Prompts are left-padded to a common width ``P``; row ``r``'s prompt starts at ``start[r]``.
 
-* **prefill** (eager): one pass over ``[b, P]`` fills cache slots ``0 .. P-1`` and samples the
+* **prefill** (not captured; the same possibly compiled elementwise ops): one pass over ``[b, P]`` fills cache slots ``0 .. P-1`` and samples the
   first token from the last position's logits;
 * **decode**: feeds the token at cache slot ``s`` (same slot for every row), writes its K/V there,
   attends to slots ``start[r] .. s`` of the first ``Lb`` slots (``Lb`` = ``s + 1`` rounded up to
@@ -62,7 +63,7 @@ class FastEngineConfig:
     compile_ops: bool = True
     kv_block: int = 64
     sync_every: int = 16
-    attention: str = "sdpa"  # decode attention: "sdpa", "triton" (split-KV kernel), "auto" = triton on CUDA
+    attention: str = "auto"  # decode attention: "sdpa", "triton" (split-KV kernel), "auto" = triton on CUDA
     fused_prologue: bool = True  # CUDA: one Triton kernel splits QKV, applies RoPE and writes the cache
 
     def __post_init__(self) -> None:
@@ -148,7 +149,7 @@ class FastEngine:
     # ---------------------------------------------------------------- forward
     def _prefill(self, ids: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """Fill cache slots ``0..P-1`` of rows ``0..b-1``; returns last-position logits ``[b, V]``."""
-        w, s = self.weights, self.shape
+        w, s, ops = self.weights, self.shape, self.ops
         b, p = ids.shape
         ar = torch.arange(p, device=self.device)
         pos = (ar.unsqueeze(0) - start.unsqueeze(1)).clamp(min=0)
@@ -159,13 +160,13 @@ class FastEngine:
         )
         mask = (causal.unsqueeze(0) & allowed).unsqueeze(1)  # pad queries attend to themselves only
         x = w.embed[ids]
-        h = fast_ops.rms_norm(x, w.ln1[0], s.eps)
+        h = ops.rms_norm(x, w.ln1[0], s.eps)
         q_width, kv_width = s.heads * s.head_dim, s.kv_heads * s.head_dim
         for i in range(s.layers):
             qkv = F.linear(h, w.wqkv[i], w.bqkv[i])
             q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
-            q = fast_ops.rotate(q.view(b, p, s.heads, s.head_dim).transpose(1, 2), cos, sin)
-            k = fast_ops.rotate(k.view(b, p, s.kv_heads, s.head_dim).transpose(1, 2), cos, sin)
+            q = ops.rotate(q.view(b, p, s.heads, s.head_dim).transpose(1, 2), cos, sin)
+            k = ops.rotate(k.view(b, p, s.kv_heads, s.head_dim).transpose(1, 2), cos, sin)
             v = v.view(b, p, s.kv_heads, s.head_dim).transpose(1, 2)
             self.k_cache[i, :b, :, :p] = k
             self.v_cache[i, :b, :, :p] = v
@@ -174,9 +175,9 @@ class FastEngine:
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
             o = F.linear(attn.transpose(1, 2).reshape(b, p, q_width), w.wo[i], w.bo[i])
-            x, h = fast_ops.add_rms_norm(x, o, w.ln2[i], s.eps)
-            m = F.linear(fast_ops.silu_mul(F.linear(h, w.wgu[i])), w.wd[i])
-            x, h = fast_ops.add_rms_norm(x, m, w.ln1[i + 1] if i + 1 < s.layers else w.norm, s.eps)
+            x, h = ops.add_rms_norm(x, o, w.ln2[i], s.eps)
+            m = F.linear(ops.silu_mul(F.linear(h, w.wgu[i])), w.wd[i])
+            x, h = ops.add_rms_norm(x, m, w.ln1[i + 1] if i + 1 < s.layers else w.norm, s.eps)
         return F.linear(h[:, -1], w.lm_head)
 
     def _decode_body(self, b: int, kv_len: int, filtered: bool) -> None:
@@ -244,16 +245,20 @@ class FastEngine:
         try:
             with torch.cuda.stream(stream):
                 self._decode_body(*key)
-        except RuntimeError as exc:  # torch.compile failures surface as RuntimeError subclasses
-            if not self.compiled_ops:
-                raise
-            logger.warning("compiled engine ops failed (%s); falling back to eager ops", exc)
-            self.ops, self.compiled_ops = fast_ops.Ops.make(False), False
+        except RuntimeError as exc:
+            self._drop_compiled(exc)
             with torch.cuda.stream(stream):
                 self._decode_body(*key)
         torch.cuda.current_stream().wait_stream(stream)
         for dst, src in zip((st.tok, st.slot, st.ridx, st.done), saved):
             dst.copy_(src)
+
+    def _drop_compiled(self, exc: RuntimeError) -> None:
+        """Fall back to eager ops after a failure of the compiled ones (re-raise if already eager)."""
+        if not self.compiled_ops:  # torch.compile failures surface as RuntimeError subclasses
+            raise exc
+        logger.warning("compiled engine ops failed (%s); falling back to eager ops", exc)
+        self.ops, self.compiled_ops = fast_ops.Ops.make(False), False
 
     def _capture(self, key: tuple[int, int, bool]) -> torch.cuda.CUDAGraph:
         self._warm_up(key)
@@ -304,7 +309,12 @@ class FastEngine:
         b = self.bucket(batch)
         st = self.state
         start = st.prepare(prompt_ids, prompt_mask, b, params, eos_ids, pad_id)
-        logits = self._prefill(st.prompt_rows(prompt_ids, b, pad_id), start)
+        rows = st.prompt_rows(prompt_ids, b, pad_id)
+        try:
+            logits = self._prefill(rows, start)
+        except RuntimeError as exc:
+            self._drop_compiled(exc)
+            logits = self._prefill(rows, start)
         st.slot.fill_(width - 1)
         sampling = not params.greedy
         if sampling:

@@ -6,7 +6,8 @@ query heads of a key/value head are processed together (``q : [b, KV, G, D]``), 
 read once per group. Pass 1 (grid ``b*KV x S``) computes, per split ``s`` of the key range, the
 online-softmax partials ``m_s = max_j z_j``, ``l_s = sum_j exp(z_j - m_s)``,
 ``a_s = sum_j exp(z_j - m_s) v_j`` with ``z_j = scale * q.k_j`` (float32); pass 2 combines them:
-``out = sum_s e^{m_s - M} a_s / sum_s e^{m_s - M} l_s``, ``M = max_s m_s``. The G query rows are
+``out = sum_s e^{m_s - M} a_s / sum_s e^{m_s - M} l_s``, ``M = max_s m_s`` (with one split, pass 1
+writes ``a / l`` itself and pass 2 is skipped). The G query rows are
 padded to 16 so that q.kᵀ and p.v run as tensor-core dots (the elementwise-product-and-reduce form
 compiled to ~400 warp shuffles and ~35 barriers per key block); the loop visits only the blocks
 that hold valid slots (``start`` to ``slot``), not the whole static cache.
@@ -38,8 +39,8 @@ def make_kernels() -> tuple[Any, Any]:
     @triton.jit
     def partial(q_ptr, k_ptr, v_ptr, start_ptr, slot_ptr, m_ptr, l_ptr, a_ptr,
                 sk_b, sk_h, sk_t, kv_heads, kv_len, split_len, num_splits, scale,
-                G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                PREC: tl.constexpr):  # fmt: skip
+                o_ptr, G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+                PREC: tl.constexpr, DIRECT: tl.constexpr):  # fmt: skip
         bh = tl.program_id(0)
         sp = tl.program_id(1)
         b = bh // kv_heads
@@ -69,10 +70,15 @@ def make_kernels() -> tuple[Any, Any]:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             m_i = m_new
-        row = (bh * num_splits + sp) * BG + g
-        tl.store(m_ptr + row, m_i)
-        tl.store(l_ptr + row, l_i)
-        tl.store(a_ptr + row[:, None] * D + d[None, :], acc)
+        if DIRECT:  # one split: the partial is the answer (no combine pass)
+            out = acc / l_i[:, None]
+            dst = o_ptr + (bh * G + g[:, None]) * D + d[None, :]
+            tl.store(dst, out.to(o_ptr.dtype.element_ty), mask=g[:, None] < G)
+        else:
+            row = (bh * num_splits + sp) * BG + g
+            tl.store(m_ptr + row, m_i)
+            tl.store(l_ptr + row, l_i)
+            tl.store(a_ptr + row[:, None] * D + d[None, :], acc)
 
     @triton.jit
     def combine(m_ptr, l_ptr, a_ptr, o_ptr, num_splits,
@@ -125,18 +131,22 @@ def decode_attention(
     splits = max(1, min(triton.cdiv(kv_len, BLOCK_N), triton.cdiv(target_programs, b * kv_heads)))
     split_len = triton.cdiv(triton.cdiv(kv_len, splits), BLOCK_N) * BLOCK_N
     splits = triton.cdiv(kv_len, split_len)
-    m = torch.empty(b * kv_heads * splits * bg, device=q.device, dtype=torch.float32)
+    direct = splits == 1
+    parts = 0 if direct else b * kv_heads * splits * bg
+    m = torch.empty(parts, device=q.device, dtype=torch.float32)
     lsum = torch.empty_like(m)
-    acc = torch.empty(b * kv_heads * splits * bg, dim, device=q.device, dtype=torch.float32)
+    acc = torch.empty(parts, dim, device=q.device, dtype=torch.float32)
     out = torch.empty_like(q)
     sk = k.stride()
     partial[(b * kv_heads, splits)](
         q, k, v, start, slot, m, lsum, acc, sk[0], sk[1], sk[2], kv_heads, kv_len, split_len, splits, scale,
-        G=group, BG=bg, D=dim, BN=BLOCK_N, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        out, G=group, BG=bg, D=dim, BN=BLOCK_N, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        DIRECT=direct,
     )  # fmt: skip
-    combine[(b * kv_heads,)](
-        m, lsum, acc, out, splits, G=group, BG=bg, D=dim, BS=max(triton.next_power_of_2(splits), 2)
-    )
+    if not direct:
+        combine[(b * kv_heads,)](
+            m, lsum, acc, out, splits, G=group, BG=bg, D=dim, BS=max(triton.next_power_of_2(splits), 2)
+        )
     return out
 
 

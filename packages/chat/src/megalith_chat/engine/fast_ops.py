@@ -90,6 +90,7 @@ class Ops:
     """The per-step functions, eager or each wrapped by ``torch.compile`` (fused elementwise)."""
 
     rms_norm: Callable[..., torch.Tensor]
+    rotate: Callable[..., torch.Tensor]
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     split_rope_decode: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     silu_mul: Callable[..., torch.Tensor]
@@ -100,7 +101,7 @@ class Ops:
     def make(cls, compiled: bool) -> Ops:
         from megalith_chat.engine.sampling import sample_tokens
 
-        fns = (rms_norm, add_rms_norm, split_rope_decode, silu_mul, decode_prelude, sample_tokens)
+        fns = (rms_norm, rotate, add_rms_norm, split_rope_decode, silu_mul, decode_prelude, sample_tokens)
         if compiled:
             fns = tuple(torch.compile(f, dynamic=True) for f in fns)  # type: ignore[assignment]
         return cls(*fns)
