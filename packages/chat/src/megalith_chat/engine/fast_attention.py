@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-BLOCK_N = 64
+BLOCK_N = 32  # keys per loop step; with LAUNCH the fastest of a sweep on the H200 (see decode_attention)
+LAUNCH = {"num_warps": 2, "num_stages": 3}
 
 
 def make_kernels() -> tuple[Any, Any]:
@@ -119,17 +120,26 @@ def decode_attention(
     scale: float,
     kernels: tuple[Any, Any] | None = None,
     target_programs: int = 512,
+    block_n: int = BLOCK_N,
+    launch: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """``q [b, KV, G, D]`` (contiguous), ``k, v [b, KV, >=kv_len, D]`` (last dim contiguous, same
-    strides), ``start [b]``, ``slot`` 0-d -> ``[b, KV, G, D]`` attention output (see module doc)."""
+    strides), ``start [b]``, ``slot`` 0-d -> ``[b, KV, G, D]`` attention output (see module doc).
+
+    ``target_programs``: split the key range until the grid has about this many programs;
+    ``block_n``: keys per loop step; ``launch``: Triton launch options (``num_warps``, ``num_stages``).
+    The defaults won a sweep on the H200 (block 32/64/128 x 2/4/8 warps x 1-3 stages x 1-2 splits,
+    0.37B shape, 256 cached slots of which 201 valid): at batch 64 14.6 µs per layer (3.6 TB/s of
+    valid K/V) against 19.9 µs for 64-key blocks with 4 warps; at batch 256 56 vs 58 µs.
+    """
     import triton
 
     partial, combine = kernels or _kernels()
     b, kv_heads, group, dim = q.shape
     kv_len = k.shape[2]
     bg = max(triton.next_power_of_2(group), 16)  # tl.dot needs 16 rows
-    splits = max(1, min(triton.cdiv(kv_len, BLOCK_N), triton.cdiv(target_programs, b * kv_heads)))
-    split_len = triton.cdiv(triton.cdiv(kv_len, splits), BLOCK_N) * BLOCK_N
+    splits = max(1, min(triton.cdiv(kv_len, block_n), triton.cdiv(target_programs, b * kv_heads)))
+    split_len = triton.cdiv(triton.cdiv(kv_len, splits), block_n) * block_n
     splits = triton.cdiv(kv_len, split_len)
     direct = splits == 1
     parts = 0 if direct else b * kv_heads * splits * bg
@@ -140,8 +150,8 @@ def decode_attention(
     sk = k.stride()
     partial[(b * kv_heads, splits)](
         q, k, v, start, slot, m, lsum, acc, sk[0], sk[1], sk[2], kv_heads, kv_len, split_len, splits, scale,
-        out, G=group, BG=bg, D=dim, BN=BLOCK_N, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        DIRECT=direct,
+        out, G=group, BG=bg, D=dim, BN=block_n, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        DIRECT=direct, **(LAUNCH if launch is None else launch),
     )  # fmt: skip
     if not direct:
         combine[(b * kv_heads,)](
