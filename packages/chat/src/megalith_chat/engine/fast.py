@@ -8,8 +8,9 @@ its own forward (:mod:`.fast_ops`; decode attention by the split-KV Triton kerne
 
 Prompts are left-padded to a common width ``P``; row ``r``'s prompt starts at ``start[r]``.
 
-* **prefill** (not captured; the same possibly compiled elementwise ops): one pass over ``[b, P]`` fills cache slots ``0 .. P-1`` and samples the
-  first token from the last position's logits;
+* **prefill** (not captured; the same, possibly compiled, elementwise ops): one pass over
+  ``[b, P]`` fills cache slots ``0 .. P-1`` and samples the first token from the last position's
+  logits;
 * **decode**: feeds the token at cache slot ``s`` (same slot for every row), writes its K/V there,
   attends to slots ``start[r] .. s`` of the first ``Lb`` slots (``Lb`` = ``s + 1`` rounded up to
   ``kv_block``), samples the next token, records it and its log-prob and advances ``s``. Every
@@ -254,8 +255,9 @@ class FastEngine:
             dst.copy_(src)
 
     def _drop_compiled(self, exc: RuntimeError) -> None:
-        """Fall back to eager ops after a failure of the compiled ones (re-raise if already eager)."""
-        if not self.compiled_ops:  # torch.compile failures surface as RuntimeError subclasses
+        """Fall back to eager ops after a failure of the compiled ones (torch.compile failures surface
+        as RuntimeError subclasses); re-raise if already eager or out of memory."""
+        if not self.compiled_ops or isinstance(exc, torch.OutOfMemoryError):
             raise exc
         logger.warning("compiled engine ops failed (%s); falling back to eager ops", exc)
         self.ops, self.compiled_ops = fast_ops.Ops.make(False), False
