@@ -19,6 +19,7 @@ with the fast engine vs HF generate, in one process each.
 
     python benchmarks/gpu_generate.py                      # on a GPU machine
     python benchmarks/gpu_generate.py --device cpu --tiny  # smoke test
+    python benchmarks/gpu_generate.py --systems fast --batches 64 --profile  # + decode-step profile
 """
 
 from __future__ import annotations
@@ -167,7 +168,55 @@ def run_fast(args: argparse.Namespace, model: Any, batch: int, mode: str) -> dic
     }
     if batch == args.batches[0] and mode == "fast":
         out["check"] = correctness(args, model, engine)
+        if args.profile:
+            out["profile"] = decode_profile(args, engine, batch)
     return out
+
+
+def decode_profile(args: argparse.Namespace, engine: Any, batch: int) -> dict[str, Any]:
+    """One decode step at the mean context ``P + N/2``: its time as the engine runs it (graph replay
+    on CUDA) and the kernels of the same step run eagerly (device time per step, by kernel name)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    st, block, reps = engine.state, engine.config.kv_block, 20
+    slot = args.prompt_len + args.new_tokens // 2 - 1
+    kv_len = min(-(-(slot + 1) // block) * block, engine.max_len)
+    st.slot.fill_(slot)
+    st.ridx.fill_(0)  # output column of the recorded tokens: keep it in range
+    engine._step(batch, kv_len, False)  # captures the graph if needed
+    st.slot.fill_(slot)
+    st.ridx.fill_(0)
+    sync(args.device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        engine._step(batch, kv_len, False)
+        st.slot.sub_(1)  # keep attending to the same slots
+        st.ridx.sub_(1)
+    sync(args.device)
+    step_ms = (time.perf_counter() - t0) / reps * 1e3
+    cuda = args.device == "cuda"
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        for _ in range(5):
+            st.slot.fill_(slot)
+            st.ridx.fill_(0)
+            engine._decode_body(batch, kv_len, False)
+        sync(args.device)
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    totals: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type == kind:
+            us = (ev.device_time if cuda else ev.self_cpu_time_total) / 5
+            totals[ev.name[:80]] = totals.get(ev.name[:80], 0.0) + us
+    top = sorted(totals.items(), key=lambda kv: -kv[1])[:15]
+    return {
+        "slot": slot,
+        "kv_len": kv_len,
+        "step_ms": step_ms,
+        "kernel_us_sum": sum(totals.values()),
+        "top_kernels_us": {name: round(us, 1) for name, us in top},
+    }
 
 
 def correctness(args: argparse.Namespace, model: Any, engine: Any) -> dict[str, float]:
@@ -342,6 +391,11 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=None, help="new tokens per row (default: 256; tiny: 16)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
     p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile one decode step of 'fast' at the first batch size (time and kernels per step)",
+    )
+    p.add_argument(
         "--grpo-steps", type=int, default=3, help="timed GRPO steps after one warm-up (default: 3)"
     )
     p.add_argument(
@@ -397,6 +451,7 @@ def run_all(args: argparse.Namespace) -> None:
         str(args.grpo_steps),
         "--grpo-new-tokens",
         str(args.grpo_new_tokens),
+        *(["--profile"] if args.profile else []),
     ]
     for name in args.systems.split(","):
         cmd = [sys.executable, __file__, "--worker", name, *forwarded, *(["--tiny"] if args.tiny else [])]
