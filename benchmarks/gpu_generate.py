@@ -175,32 +175,33 @@ def run_fast(args: argparse.Namespace, model: Any, batch: int, mode: str) -> dic
 
 def decode_profile(args: argparse.Namespace, engine: Any, batch: int) -> dict[str, Any]:
     """One decode step at the mean context ``P + N/2``: its time as the engine runs it (graph replay
-    on CUDA) and the kernels of the same step run eagerly (device time per step, by kernel name)."""
+    on CUDA; includes two tiny counter resets) and the kernels of the same step run eagerly (device
+    time per step, by kernel name)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     st, block, reps = engine.state, engine.config.kv_block, 20
     slot = args.prompt_len + args.new_tokens // 2 - 1
     kv_len = min(-(-(slot + 1) // block) * block, engine.max_len)
-    st.slot.fill_(slot)
-    st.ridx.fill_(0)  # output column of the recorded tokens: keep it in range
+
+    def rewind() -> None:  # the step advances the slot and the output column: put both back
+        st.slot.fill_(slot)
+        st.ridx.fill_(0)
+
+    rewind()
     engine._step(batch, kv_len, False)  # captures the graph if needed
-    st.slot.fill_(slot)
-    st.ridx.fill_(0)
     sync(args.device)
     t0 = time.perf_counter()
     for _ in range(reps):
+        rewind()
         engine._step(batch, kv_len, False)
-        st.slot.sub_(1)  # keep attending to the same slots
-        st.ridx.sub_(1)
     sync(args.device)
     step_ms = (time.perf_counter() - t0) / reps * 1e3
     cuda = args.device == "cuda"
     activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
     with profile(activities=[activity]) as prof:
         for _ in range(5):
-            st.slot.fill_(slot)
-            st.ridx.fill_(0)
+            rewind()
             engine._decode_body(batch, kv_len, False)
         sync(args.device)
     kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU

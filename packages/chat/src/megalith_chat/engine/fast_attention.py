@@ -7,10 +7,10 @@ read once per group. Pass 1 (grid ``b*KV x S``) computes, per split ``s`` of the
 online-softmax partials ``m_s = max_j z_j``, ``l_s = sum_j exp(z_j - m_s)``,
 ``a_s = sum_j exp(z_j - m_s) v_j`` with ``z_j = scale * q.k_j`` (float32); pass 2 combines them:
 ``out = sum_s e^{m_s - M} a_s / sum_s e^{m_s - M} l_s``, ``M = max_s m_s`` (with one split, pass 1
-writes ``a / l`` itself and pass 2 is skipped). The G query rows are
-padded to 16 so that q.kᵀ and p.v run as tensor-core dots (the elementwise-product-and-reduce form
-compiled to ~400 warp shuffles and ~35 barriers per key block); the loop visits only the blocks
-that hold valid slots (``start`` to ``slot``), not the whole static cache.
+writes ``a / l`` itself and pass 2 is skipped). The G query rows are padded to 16 so that q.kᵀ and
+p.v run as tensor-core dots (the elementwise-product-and-reduce form compiled to ~400 warp
+shuffles and ~35 barriers per key block); the loop visits only the blocks that hold valid slots
+(``start`` to ``slot``), not the whole static cache.
 
 Kernels are built lazily by :func:`make_kernels` (``TRITON_INTERPRET=1`` then runs them on the
 CPU, which is how the tests check them); :func:`decode_attention` is the entry point.

