@@ -102,6 +102,8 @@ class Booster:
             raise ConfigError(f"boost() needs an nn.Module, got {type(model).__name__}")
         if self.kernels:
             _apply_kernels(self.plugin, model)
+        if self.compile:
+            _mask_free_causal_attention(model)
         boosted = self.plugin.configure(model, optimizer, self.precision)
         if self.compile:
             boosted.model.compile()  # in place: parameter names and state_dict keys unchanged
@@ -360,6 +362,14 @@ def _apply_kernels(plugin: Plugin, model: nn.Module) -> None:
     if tp != 1:
         raise ConfigError(f"kernels=True needs tp_size 1 (the fused MLP/LM head are not tp-aware), got {tp}")
     apply_kernels(model)
+
+
+def _mask_free_causal_attention(model: nn.Module) -> None:
+    """Under compile, leave HF's plain causal masks to SDPA's `is_causal` (`megalith.policies.sdpa`)."""
+    if type(model).__module__.startswith("transformers."):
+        from megalith.policies.sdpa import use_mask_free_causal_sdpa
+
+        use_mask_free_causal_sdpa(model)
 
 
 def _save_config(model: nn.Module, directory: Path) -> None:
