@@ -70,8 +70,11 @@ def build(system: str, args: argparse.Namespace, device: torch.device) -> tuple[
         model = LlamaForCausalLM(config)
     if system.startswith("megalith"):
         compile = system in ("megalith", "megalith_mixed") and device.type == "cuda"
-        multi = system == "megalith_multi_tensor"
-        return _megalith(model, device, compile=compile, mixed=system == "megalith_mixed", multi_tensor=multi)
+        multi = system == "megalith_multi_tensor" or args.multi_tensor
+        kernels = args.kernels.split(",") if args.kernels else True
+        return _megalith(
+            model, device, compile=compile, mixed=system == "megalith_mixed", multi_tensor=multi, kernels=kernels
+        )
     model.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
     if system == "kernels_bf16":
         from megalith.policies.kernels import apply_kernels
@@ -93,14 +96,14 @@ def build(system: str, args: argparse.Namespace, device: torch.device) -> tuple[
 
 
 def _megalith(
-    model: Any, device: torch.device, compile: bool, mixed: bool, multi_tensor: bool = False
+    model: Any, device: torch.device, compile: bool, mixed: bool, multi_tensor: bool, kernels: Any
 ) -> tuple[Any, Any, Any]:
     from megalith.booster import Booster
     from megalith.booster.plugins import ZeroPlugin
     from megalith.kernels import FusedAdamW
 
     precision = "fp32" if device.type != "cuda" else "bf16" if mixed else "bf16-true"
-    booster = Booster(plugin=ZeroPlugin(stage=2), precision=precision, kernels=True, compile=compile)
+    booster = Booster(plugin=ZeroPlugin(stage=2), precision=precision, kernels=kernels, compile=compile)
     opt = FusedAdamW(model.parameters(), lr=1e-4, weight_decay=0.1, multi_tensor=multi_tensor)
     model, opt, *_ = booster.boost(model, opt)
 
@@ -113,7 +116,8 @@ def _megalith(
 
     weights = {"bf16": "bf16 + fp32 masters", "bf16-true": "bf16"}.get(precision, precision)
     name = "megalith FusedAdamW" + (" (multi-tensor)" if multi_tensor else "")
-    return model, step, {"optimizer": name, "weights": weights, "compile": compile}
+    info = {"optimizer": name, "weights": weights, "compile": compile}
+    return model, step, info | ({"kernels": sorted(kernels)} if kernels is not True else {})
 
 
 def child(system: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -190,9 +194,10 @@ def parent(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _forward_args(args: argparse.Namespace) -> list[str]:
     out = ["--device", args.device, "--batch", str(args.batch), "--seq", str(args.seq)]
-    out += ["--warmup", str(args.warmup), "--steps", str(args.steps)] + (
-        ["--profile"] if args.profile else []
-    )
+    out += ["--warmup", str(args.warmup), "--steps", str(args.steps)]
+    out += ["--profile"] if args.profile else []
+    out += ["--multi-tensor"] if args.multi_tensor else []
+    out += ["--kernels", args.kernels] if args.kernels else []
     return out + (["--tiny"] if args.tiny else [])
 
 
@@ -220,6 +225,15 @@ def main() -> None:
     parser.add_argument("--systems", nargs="*", choices=SYSTEMS, help="subset of systems to run")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per system subprocess")
     parser.add_argument("--profile", action="store_true", help="print each system's top GPU kernels")
+    parser.add_argument(
+        "--multi-tensor", action="store_true", help="megalith systems use FusedAdamW(multi_tensor=True)"
+    )
+    parser.add_argument(
+        "--kernels",
+        default=None,
+        help="megalith systems swap in only these kernels (comma-separated of rms_norm, rope, swiglu, "
+        "cross_entropy; default all)",
+    )
     parser.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="result file name under benchmarks/results/")
     args = parser.parse_args()

@@ -53,12 +53,11 @@ def test_no_mask_reaches_attention_when_compiled(masks_seen):
 
 
 def test_no_mask_while_hf_refuses_to_skip(masks_seen, monkeypatch):
-    """Before torch 2.14 dynamo makes HF's `is_torchdynamo_exporting()` true while compiling, and HF
-    then always builds the mask (emulated here eagerly); the plain causal case must still reach
-    SDPA without one."""
+    """Before torch 2.14 HF's SDPA mask never takes the causal skip while dynamo traces (emulated
+    here eagerly by refusing the skip); the plain causal case must still reach SDPA without one."""
     from transformers import masking_utils
 
-    monkeypatch.setattr(masking_utils, "is_torchdynamo_exporting", lambda: True)
+    monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", lambda *args, **kwargs: False)
     model, seen = masks_seen
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     control: list[bool] = []

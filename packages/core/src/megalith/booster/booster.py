@@ -8,7 +8,7 @@ booster.backward(loss, optimizer); optimizer.step(); optimizer.zero_grad()
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -70,14 +70,15 @@ class Booster:
         self,
         plugin: Plugin | None = None,
         precision: str | Precision = "fp32",
-        kernels: bool = False,
+        kernels: bool | Iterable[str] = False,
         compile: bool = False,
     ) -> None:
         """`precision`: "fp32", "bf16" / "fp16" (fp32 master weights; fp16 with loss scaling) or
         "bf16-true" (everything in bf16, no masters; DDPPlugin and ZeroPlugin stages 1-2).
         `kernels=True` swaps megalith's fused kernels into HF Llama/Qwen2/Mistral models
-        (`megalith.policies.kernels`); `compile=True` runs `torch.compile` on the boosted model
-        (measured slower than eager together with `kernels=True` on an H200: see the README)."""
+        (`megalith.policies.kernels`), a collection of names (`KERNELS`: "rms_norm", "rope",
+        "swiglu", "cross_entropy") only those; `compile=True` runs `torch.compile` on the boosted model
+        and leaves plain causal masks of HF models to SDPA's `is_causal` (`megalith.policies.sdpa`)."""
         self.plugin = plugin or DDPPlugin()
         self.precision = precision if isinstance(precision, Precision) else Precision(precision)
         if self.precision.name == "bf16-true" and not self.plugin.supports_bf16_true:
@@ -85,7 +86,12 @@ class Booster:
                 f"precision 'bf16-true' is implemented for DDPPlugin and ZeroPlugin stages 1-2, "
                 f"not {self.plugin.name}; use precision='bf16' (fp32 masters)"
             )
-        self.kernels, self.compile = kernels, compile
+        self.kernels: frozenset[str] = frozenset()
+        if kernels:
+            from megalith.policies.kernels import kernel_set
+
+            self.kernels = kernel_set(None if kernels is True else kernels)
+        self.compile = compile
 
     # -- setup ------------------------------------------------------------------------------------
     def boost(
@@ -101,7 +107,7 @@ class Booster:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"boost() needs an nn.Module, got {type(model).__name__}")
         if self.kernels:
-            _apply_kernels(self.plugin, model)
+            _apply_kernels(self.plugin, model, self.kernels)
         if self.compile:
             _mask_free_causal_attention(model)
         boosted = self.plugin.configure(model, optimizer, self.precision)
@@ -355,13 +361,13 @@ class Booster:
         return pending.wait() if pending is not None else None
 
 
-def _apply_kernels(plugin: Plugin, model: nn.Module) -> None:
+def _apply_kernels(plugin: Plugin, model: nn.Module, chosen: frozenset[str]) -> None:
     from megalith.policies.kernels import apply_kernels
 
     tp = getattr(getattr(plugin, "config", None), "tp_size", 1)
     if tp != 1:
         raise ConfigError(f"kernels=True needs tp_size 1 (the fused MLP/LM head are not tp-aware), got {tp}")
-    apply_kernels(model)
+    apply_kernels(model, only=chosen)
 
 
 def _mask_free_causal_attention(model: nn.Module) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import MethodType, ModuleType
 from typing import Any, cast
@@ -33,6 +34,7 @@ from megalith.kernels import KernelRMSNorm, apply_rotary, fused_linear_cross_ent
 logger = logging.getLogger(__name__)
 
 FAMILIES = ("Llama", "Qwen2", "Mistral")
+KERNELS = ("rms_norm", "rope", "swiglu", "cross_entropy")  # what `apply_kernels(only=...)` may name
 _ATTR = "_megalith_kernel_patch"
 _ROPE_FN = "apply_rotary_pos_emb"
 _ROPE_PATCHES: dict[str, tuple[Any, int]] = {}  # module name -> (original function, patched models)
@@ -136,32 +138,51 @@ def _causal_lm_forward(self: Any, *args: Any, labels: torch.Tensor | None = None
     )
 
 
-def _swap_norms_and_mlps(model: nn.Module, family: str, patch: KernelPatch) -> None:
+def _swap_norms_and_mlps(model: nn.Module, family: str, patch: KernelPatch, chosen: frozenset[str]) -> None:
     for parent in list(model.modules()):
         for attr, child in list(parent.named_children()):
             kind = type(child).__name__
-            if kind == f"{family}RMSNorm":
+            if kind == f"{family}RMSNorm" and "rms_norm" in chosen:
                 eps = float(getattr(child, "variance_epsilon", getattr(child, "eps", 1e-6)))
                 setattr(parent, attr, KernelRMSNorm(cast(nn.Parameter, child.weight), eps))
                 patch.modules.append((parent, attr, child))
-            elif kind == f"{family}MLP" and _fusable_mlp(child):
+            elif kind == f"{family}MLP" and "swiglu" in chosen and _fusable_mlp(child):
                 child.forward = MethodType(_mlp_forward, child)
                 patch.forwards.append(child)
 
 
-def apply_kernels(model: nn.Module, cross_entropy: bool = True) -> KernelPatch:
-    """Swap the kernels into `model` in place (see the module docstring); returns what changed."""
+def kernel_set(only: Iterable[str] | None) -> frozenset[str]:
+    """The kernels named by `only` (None: all of `KERNELS`); an unknown name is a ConfigError."""
+    if only is None:
+        return frozenset(KERNELS)
+    chosen = frozenset([only] if isinstance(only, str) else only)
+    unknown = sorted(chosen - set(KERNELS))
+    if unknown:
+        raise ConfigError(f"kernels: unknown kernel name(s) {unknown}; choose from {list(KERNELS)}")
+    return chosen
+
+
+def apply_kernels(
+    model: nn.Module, cross_entropy: bool = True, only: Iterable[str] | None = None
+) -> KernelPatch:
+    """Swap the kernels into `model` in place (see the module docstring); returns what changed.
+
+    `only` limits the swap to some of `KERNELS` (e.g. leave RMSNorm and RoPE to `torch.compile`,
+    which fuses them with the residual adds around them); `cross_entropy=False` drops that one."""
+    chosen = kernel_set(only)
+    if not cross_entropy:
+        chosen -= {"cross_entropy"}
     if getattr(model, _ATTR, None) is not None:
         raise ConfigError(f"kernels are already applied to this {type(model).__name__}")
     family = _family(model)
     patch = KernelPatch()
-    _swap_norms_and_mlps(model, family, patch)
+    _swap_norms_and_mlps(model, family, patch, chosen)
     rope_module = importlib.import_module(type(model).__module__)
-    if hasattr(rope_module, _ROPE_FN):
+    if "rope" in chosen and hasattr(rope_module, _ROPE_FN):
         _patch_rope(rope_module)
         patch.rope_module = rope_module.__name__
     head = getattr(model, "lm_head", None)
-    if cross_entropy and isinstance(head, nn.Linear) and head.bias is None and hasattr(model, "model"):
+    if "cross_entropy" in chosen and isinstance(head, nn.Linear) and head.bias is None and hasattr(model, "model"):
         model.forward = MethodType(_causal_lm_forward, model)
         patch.forwards.append(model)
     setattr(model, _ATTR, patch)
