@@ -73,7 +73,12 @@ def build(system: str, args: argparse.Namespace, device: torch.device) -> tuple[
         multi = system == "megalith_multi_tensor" or args.multi_tensor
         kernels = args.kernels.split(",") if args.kernels else True
         return _megalith(
-            model, device, compile=compile, mixed=system == "megalith_mixed", multi_tensor=multi, kernels=kernels
+            model,
+            device,
+            compile=compile,
+            mixed=system == "megalith_mixed",
+            multi_tensor=multi,
+            kernels=kernels,
         )
     model.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
     if system == "kernels_bf16":

@@ -93,7 +93,9 @@ def test_sliding_window_keeps_its_mask():
     reference = copy.deepcopy(model)
     assert use_mask_free_causal_sdpa(model)
     ids = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(3))
-    torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        model(input_ids=ids).logits, reference(input_ids=ids).logits, atol=1e-6, rtol=0
+    )
 
 
 def test_other_implementations_untouched_and_restore():
@@ -113,5 +115,7 @@ def test_booster_compile_switches_the_model():
     boosted, *_ = Booster(plugin=ZeroPlugin(stage=1), compile=True).boost(model, opt)
     assert model.config._attn_implementation == NAME
     plain = _model()
-    plain_boosted, *_ = Booster(plugin=ZeroPlugin(stage=1)).boost(plain, torch.optim.AdamW(plain.parameters()))
+    plain_boosted, *_ = Booster(plugin=ZeroPlugin(stage=1)).boost(
+        plain, torch.optim.AdamW(plain.parameters())
+    )
     assert plain.config._attn_implementation == "sdpa"

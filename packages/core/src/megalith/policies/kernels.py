@@ -182,7 +182,12 @@ def apply_kernels(
         _patch_rope(rope_module)
         patch.rope_module = rope_module.__name__
     head = getattr(model, "lm_head", None)
-    if "cross_entropy" in chosen and isinstance(head, nn.Linear) and head.bias is None and hasattr(model, "model"):
+    if (
+        "cross_entropy" in chosen
+        and isinstance(head, nn.Linear)
+        and head.bias is None
+        and hasattr(model, "model")
+    ):
         model.forward = MethodType(_causal_lm_forward, model)
         patch.forwards.append(model)
     setattr(model, _ATTR, patch)
