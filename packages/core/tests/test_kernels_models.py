@@ -90,6 +90,33 @@ def test_rope_patch_is_reference_counted_and_reversible():
         remove_kernels(b)
 
 
+def test_kernel_subset_swaps_only_what_is_named(monkeypatch):
+    """`only=`: RMSNorm and RoPE stay HF's (left to torch.compile), the MLP and the loss are fused;
+    the loss and gradients still match the plain model."""
+    monkeypatch.setenv("MEGALITH_KERNELS", "auto" if GPU else "torch")
+    original = modeling_llama.apply_rotary_pos_emb
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(LlamaConfig(**SMALL)).to(DEVICE, DTYPE)
+    fused = copy.deepcopy(ref)
+    patch = apply_kernels(fused, only=["swiglu", "cross_entropy"])
+    assert patch.summary() == {"rms_norm": 0, "forwards": 3, "rope": 0}
+    assert modeling_llama.apply_rotary_pos_emb is original
+    loss_ref, grads_ref = _loss_and_grads(ref)
+    loss, grads = _loss_and_grads(fused)
+    assert abs(loss.item() - loss_ref.item()) <= LOSS_TOL * max(1.0, abs(loss_ref.item()))
+    for name, g in grads.items():
+        err = (g - grads_ref[name]).abs().max().item()
+        assert err <= GRAD_TOL * max(1.0, grads_ref[name].abs().max().item()), f"{name}: {err}"
+    remove_kernels(fused)
+
+
+def test_unknown_kernel_name_is_refused_by_name():
+    with pytest.raises(ConfigError, match="layer_norm"):
+        apply_kernels(LlamaForCausalLM(LlamaConfig(**SMALL)), only=["rope", "layer_norm"])
+    with pytest.raises(ConfigError, match="fused_mlp"):
+        Booster(plugin=ZeroPlugin(stage=2), kernels=["fused_mlp"])
+
+
 def test_unsupported_model_is_refused_by_name():
     with pytest.raises(ConfigError, match="Sequential.*LlamaForCausalLM"):
         apply_kernels(torch.nn.Sequential(torch.nn.Linear(2, 2)))
