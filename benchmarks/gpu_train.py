@@ -1,5 +1,6 @@
 """Training throughput of the 1.1B TinyLlama shape on one GPU: HF eager, HF + torch.compile,
-HF + Liger-Kernel, megalith (Booster: kernels=True, compile=True, ZeroPlugin(stage=2), bf16-true).
+HF + Liger-Kernel, megalith (Booster: kernels rope/swiglu/cross_entropy, compile=True,
+ZeroPlugin(stage=2), bf16-true, multi-tensor FusedAdamW).
 
 Every system runs in a fresh subprocess (no cross-contamination of caches, compiled graphs or
 allocator state) on the same micro-batch (batch 8 × 2048, no accumulation), SDPA attention and a
@@ -44,6 +45,9 @@ DEFAULT_SYSTEMS = ("hf_eager", "hf_compile", "hf_liger", "megalith", "megalith_e
 # megalith_eager: the Booster path without compile; megalith_mixed: with fp32 masters;
 # megalith_multi_tensor: megalith_eager with FusedAdamW(multi_tensor=True); kernels_bf16:
 # megalith's kernel policy alone (torch fused AdamW, no Booster) - the like-for-like kernel comparison.
+# Under compile, RMSNorm is left to inductor (fused with the residual add around it) and AdamW runs
+# multi-tensor: the fastest of the variants measured in one run (results/gpu_train_h200_variant_*.json).
+COMPILED_KERNELS = ("rope", "swiglu", "cross_entropy")
 TINYLLAMA = dict(
     vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
     num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
@@ -70,8 +74,8 @@ def build(system: str, args: argparse.Namespace, device: torch.device) -> tuple[
         model = LlamaForCausalLM(config)
     if system.startswith("megalith"):
         compile = system in ("megalith", "megalith_mixed") and device.type == "cuda"
-        multi = system == "megalith_multi_tensor" or args.multi_tensor
-        kernels = args.kernels.split(",") if args.kernels else True
+        multi = system in ("megalith", "megalith_multi_tensor") or args.multi_tensor
+        kernels = args.kernels.split(",") if args.kernels else (COMPILED_KERNELS if compile else True)
         return _megalith(
             model,
             device,
