@@ -43,6 +43,8 @@ def masks_seen():
 
 
 def test_no_mask_reaches_attention_when_compiled(masks_seen):
+    """The mask function traces under dynamo (fullgraph) and the outputs match. With torch >= 2.14
+    HF skips the mask here by itself; the next test is the one that fails without the policy."""
     model, seen = masks_seen
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     reference = _model()(input_ids=ids).logits
@@ -112,10 +114,8 @@ def test_other_implementations_untouched_and_restore():
 def test_booster_compile_switches_the_model():
     model = _model().train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    boosted, *_ = Booster(plugin=ZeroPlugin(stage=1), compile=True).boost(model, opt)
+    Booster(plugin=ZeroPlugin(stage=1), compile=True).boost(model, opt)
     assert model.config._attn_implementation == NAME
     plain = _model()
-    plain_boosted, *_ = Booster(plugin=ZeroPlugin(stage=1)).boost(
-        plain, torch.optim.AdamW(plain.parameters())
-    )
+    Booster(plugin=ZeroPlugin(stage=1)).boost(plain, torch.optim.AdamW(plain.parameters()))
     assert plain.config._attn_implementation == "sdpa"

@@ -109,7 +109,9 @@ class Booster:
         if self.kernels:
             _apply_kernels(self.plugin, model, self.kernels)
         if self.compile:
-            _mask_free_causal_attention(model)
+            from megalith.policies.sdpa import use_mask_free_causal_sdpa
+
+            use_mask_free_causal_sdpa(model)  # no-op unless an HF model on "sdpa"
         boosted = self.plugin.configure(model, optimizer, self.precision)
         if self.compile:
             boosted.model.compile()  # in place: parameter names and state_dict keys unchanged
@@ -368,14 +370,6 @@ def _apply_kernels(plugin: Plugin, model: nn.Module, chosen: frozenset[str]) -> 
     if tp != 1:
         raise ConfigError(f"kernels=True needs tp_size 1 (the fused MLP/LM head are not tp-aware), got {tp}")
     apply_kernels(model, only=chosen)
-
-
-def _mask_free_causal_attention(model: nn.Module) -> None:
-    """Under compile, leave HF's plain causal masks to SDPA's `is_causal` (`megalith.policies.sdpa`)."""
-    if type(model).__module__.startswith("transformers."):
-        from megalith.policies.sdpa import use_mask_free_causal_sdpa
-
-        use_mask_free_causal_sdpa(model)
 
 
 def _save_config(model: nn.Module, directory: Path) -> None:

@@ -20,7 +20,6 @@ from typing import Any
 from torch import nn
 
 NAME = "megalith_sdpa"
-_ORIGINAL = "_megalith_sdpa_original"
 
 
 def _plain_causal(kwargs: dict[str, Any]) -> bool:
@@ -33,10 +32,7 @@ def _plain_causal(kwargs: dict[str, Any]) -> bool:
         return False
     if kwargs.get("mask_function", causal_mask_function) is not causal_mask_function:
         return False
-    q_length = kwargs.get("q_length")
-    if q_length is None and kwargs.get("cache_position") is not None:
-        q_length = kwargs["cache_position"].shape[0]
-    kv_length = kwargs.get("kv_length")
+    q_length, kv_length = kwargs.get("q_length"), kwargs.get("kv_length")
     return q_length is not None and kv_length is not None and q_length == kv_length
 
 
@@ -65,13 +61,11 @@ def use_mask_free_causal_sdpa(model: nn.Module) -> bool:
         return False
     _register()
     config._attn_implementation = NAME
-    setattr(model, _ORIGINAL, "sdpa")
     return True
 
 
 def restore_sdpa(model: nn.Module) -> None:
     """Undo `use_mask_free_causal_sdpa` (no-op if it was not applied)."""
-    original = getattr(model, _ORIGINAL, None)
-    if original is not None:
-        model.config._attn_implementation = original  # type: ignore[union-attr]
-        delattr(model, _ORIGINAL)
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "_attn_implementation", None) == NAME:
+        config._attn_implementation = "sdpa"
