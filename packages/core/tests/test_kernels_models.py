@@ -61,7 +61,7 @@ def test_kernels_give_same_loss_and_grads(cls, config, backend, monkeypatch):
     ref = cls(config(**SMALL)).to(DEVICE, DTYPE)
     fused = copy.deepcopy(ref)
     patch = apply_kernels(fused)
-    assert patch.summary() == {"rms_norm": 5, "forwards": 3, "rope": 1}
+    assert patch.summary() == {"rms_norm": 5, "forwards": 5, "rope": 1}  # 2 MLPs, 2 attentions, the LM
     assert modeling_llama.apply_rotary_pos_emb is not None
     loss_ref, grads_ref = _loss_and_grads(ref)
     loss, grads = _loss_and_grads(fused)
@@ -108,6 +108,50 @@ def test_kernel_subset_swaps_only_what_is_named(monkeypatch):
         err = (g - grads_ref[name]).abs().max().item()
         assert err <= GRAD_TOL * max(1.0, grads_ref[name].abs().max().item()), f"{name}: {err}"
     remove_kernels(fused)
+
+
+@pytest.mark.parametrize(
+    ("cls", "config"),
+    [(LlamaForCausalLM, LlamaConfig), (Qwen2ForCausalLM, Qwen2Config), (MistralForCausalLM, MistralConfig)],
+)
+def test_fused_qkv_matches_separate_projections(cls, config):
+    """`only=["qkv"]` (fp32, CPU): logits, loss and every gradient of a left-padded batch equal the
+    plain model's and the q/k/v modules are never called (one matmul replaces them); with a KV
+    cache (greedy generation) the tokens are unchanged.
+    Qwen2 has q/k/v biases, Llama and Mistral none."""
+    torch.manual_seed(0)
+    ref = cls(config(**SMALL)).to(DEVICE, DTYPE)
+    fused = copy.deepcopy(ref)
+    assert apply_kernels(fused, only=["qkv"]).summary() == {"rms_norm": 0, "forwards": 2, "rope": 0}
+    calls: list[str] = []
+    for layer in fused.model.layers:
+        layer.self_attn.q_proj.register_forward_hook(lambda *_: calls.append("q"))
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding: HF builds an explicit mask, which the fused path must pass on
+    outs = [m(input_ids=ids, attention_mask=mask, labels=ids) for m in (ref, fused)]
+    assert calls == []
+    tol = dict(atol=LOSS_TOL, rtol=LOSS_TOL)
+    torch.testing.assert_close(outs[1].logits, outs[0].logits, **tol)
+    for out in outs:
+        out.loss.backward()
+    for (name, p), q in zip(ref.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=GRAD_TOL, rtol=GRAD_TOL, msg=name)
+    with torch.no_grad():
+        want = ref.generate(ids[:1], max_new_tokens=4, do_sample=False)
+        got = fused.generate(ids[:1], max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, want) and calls == []
+    remove_kernels(fused)
+    assert all("forward" not in layer.self_attn.__dict__ for layer in fused.model.layers)
+
+
+def test_fused_qkv_leaves_wrapped_projections_alone():
+    """A projection that is not a plain nn.Linear (e.g. a LoRA wrapper) keeps HF's forward."""
+    model = LlamaForCausalLM(LlamaConfig(**SMALL))
+    model.model.layers[0].self_attn.k_proj = torch.nn.Sequential(model.model.layers[0].self_attn.k_proj)
+    assert apply_kernels(model, only=["qkv"]).summary()["forwards"] == 1
+    assert "forward" not in model.model.layers[0].self_attn.__dict__
+    assert "forward" in model.model.layers[1].self_attn.__dict__
 
 
 def test_unknown_kernel_name_is_refused_by_name():

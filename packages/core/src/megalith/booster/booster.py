@@ -77,7 +77,7 @@ class Booster:
         "bf16-true" (everything in bf16, no masters; DDPPlugin and ZeroPlugin stages 1-2).
         `kernels=True` swaps megalith's fused kernels into HF Llama/Qwen2/Mistral models
         (`megalith.policies.kernels`), a collection of names (`KERNELS`: "rms_norm", "rope",
-        "swiglu", "cross_entropy") only those; `compile=True` runs `torch.compile` on the boosted model
+        "swiglu", "cross_entropy", "qkv") only those; `compile=True` runs `torch.compile` on the boosted model
         and leaves plain causal masks of HF models to SDPA's `is_causal` (`megalith.policies.sdpa`)."""
         self.plugin = plugin or DDPPlugin()
         self.precision = precision if isinstance(precision, Precision) else Precision(precision)

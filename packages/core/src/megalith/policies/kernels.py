@@ -10,6 +10,9 @@ What `apply_kernels(model)` patches (all undone by `remove_kernels(model)`):
   at call time) → the rotary kernel (for ``unsqueeze_dim=1``; reference-counted over patched models:
   the original returns when the last one is un-patched; unpatched models of that family in the same
   process also get the kernel, which computes the same function);
+- every ``{Llama,Qwen2,Mistral}Attention`` with plain linear q/k/v projections → its instance
+  ``forward`` becomes `fused_qkv_forward` (one matmul over the concatenated q/k/v weights when
+  there is no KV cache; parameters unchanged);
 - the CausalLM's instance ``forward``: when ``labels`` are given, the LM head and the shifted
   cross-entropy run as `fused_linear_cross_entropy` and the output has ``logits=None``; without
   labels the class forward runs unchanged.
@@ -30,11 +33,12 @@ from torch import nn
 
 from megalith.common.errors import ConfigError
 from megalith.kernels import KernelRMSNorm, apply_rotary, fused_linear_cross_entropy, swiglu_mlp
+from megalith.policies.fused_qkv import fusable_attention, fused_qkv_forward
 
 logger = logging.getLogger(__name__)
 
 FAMILIES = ("Llama", "Qwen2", "Mistral")
-KERNELS = ("rms_norm", "rope", "swiglu", "cross_entropy")  # what `apply_kernels(only=...)` may name
+KERNELS = ("rms_norm", "rope", "swiglu", "cross_entropy", "qkv")  # what `apply_kernels(only=...)` may name
 _ATTR = "_megalith_kernel_patch"
 _ROPE_FN = "apply_rotary_pos_emb"
 _ROPE_PATCHES: dict[str, tuple[Any, int]] = {}  # module name -> (original function, patched models)
@@ -148,6 +152,9 @@ def _swap_norms_and_mlps(model: nn.Module, family: str, patch: KernelPatch, chos
                 patch.modules.append((parent, attr, child))
             elif kind == f"{family}MLP" and "swiglu" in chosen and _fusable_mlp(child):
                 child.forward = MethodType(_mlp_forward, child)
+                patch.forwards.append(child)
+            elif kind == f"{family}Attention" and "qkv" in chosen and fusable_attention(child):
+                child.forward = MethodType(fused_qkv_forward, child)
                 patch.forwards.append(child)
 
 
