@@ -73,6 +73,8 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     log_every: int = 1
+    kernels: str = "none"
+    compile: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -86,10 +88,30 @@ class TrainConfig:
             raise ConfigError(f"--max-tokens must be > 0, got {self.max_tokens}")
         if self.pp < 1:
             raise ConfigError(f"--pp must be >= 1, got {self.pp}")
+        kernel_names(self.kernels)  # raises on an unknown name
+        if self.kernels != "none" and (self.tp > 1 or self.pp > 1 or self.lora):
+            raise ConfigError(
+                f"--kernels {self.kernels} works with --tp 1 --pp 1 and without --lora "
+                f"(got --tp {self.tp} --pp {self.pp}{' --lora' if self.lora else ''})"
+            )
         if self.pp > 1:
             from megalith_llama.pp import resolve_microbatches
 
             resolve_microbatches(self.pp, self.batch_size, self.num_microbatches)
+
+
+def kernel_names(spec: str) -> frozenset[str]:
+    """`--kernels`: "none", "all" or a comma-separated subset of `megalith.policies.kernels.KERNELS`."""
+    from megalith.policies.kernels import KERNELS, kernel_set
+
+    if spec == "none":
+        return frozenset()
+    if spec == "all":
+        return frozenset(KERNELS)
+    try:
+        return kernel_set(n.strip() for n in spec.split(",") if n.strip())
+    except ConfigError as exc:
+        raise ConfigError(f"--kernels {spec!r}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -121,7 +143,9 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     out = Path(cfg.output)
     model, tokenizer, train_set, heldout = _load_inputs(cfg, info.device.torch)
     plugin = _plugin(cfg, make_plugin)
-    booster = Booster(plugin=plugin, precision=cfg.precision)
+    booster = Booster(
+        plugin=plugin, precision=cfg.precision, kernels=kernel_names(cfg.kernels), compile=cfg.compile
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     per_token = flops_per_token(model, model.config, cfg.seq_len)  # the whole model, before any split
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))

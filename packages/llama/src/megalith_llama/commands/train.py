@@ -110,6 +110,18 @@ def add_training_flags(p: argparse.ArgumentParser, output: str) -> None:
         help="microbatches per pipeline step; must divide --batch-size and be >= --pp "
         "(default: 2 x pp, or the batch size when smaller)",
     )
+    p.add_argument(
+        "--kernels",
+        default=d.kernels,
+        help="fused kernels swapped into the model: none (default), all, or a comma list of "
+        "rms_norm, rope, swiglu, cross_entropy, qkv (Triton on GPU, torch fallbacks on CPU; "
+        "needs --tp 1 --pp 1, no --lora)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model (the first steps include compilation time)",
+    )
     p.add_argument("--lora", action="store_true", help="train LoRA adapters (peft) instead of all weights")
     p.add_argument("--lora-rank", type=int, default=d.lora_rank, help="LoRA rank")
     p.add_argument("--seed", type=int, default=d.seed, help="random seed")
