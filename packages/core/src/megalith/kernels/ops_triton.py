@@ -4,9 +4,8 @@ Triton) is imported on first use only."""
 from __future__ import annotations
 
 import math
-from functools import cache
+from functools import cache, lru_cache
 from types import ModuleType
-from typing import Any
 
 import torch
 
@@ -172,9 +171,6 @@ def adamw_(
     )  # fmt: skip
 
 
-_BLOCK_TABLES: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
     """An int64 table on `device` without a host sync (pinned staging: torch's host allocator keeps
     the pinned block until the copy has run)."""
@@ -182,21 +178,15 @@ def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 
-def _block_tables(numels: list[int], block: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """(tensor index, start offset) per program and the numels, cached per layout."""
-    key = (device, block, tuple(numels))
-    if key not in _BLOCK_TABLES:
-        owner: list[int] = []
-        start: list[int] = []
-        for t, n in enumerate(numels):
-            owner.extend([t] * -(-n // block))
-            start.extend(range(0, n, block))
-        _BLOCK_TABLES[key] = (
-            _to_device(owner, device),
-            _to_device(start, device),
-            _to_device(numels, device),
-        )
-    return _BLOCK_TABLES[key]
+@lru_cache(maxsize=64)  # one entry per optimizer layout (parameter group, chunk); a few in practice
+def _block_tables(numels: tuple[int, ...], block: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(tensor index, start offset) per program and the numels."""
+    owner: list[int] = []
+    start: list[int] = []
+    for t, n in enumerate(numels):
+        owner.extend([t] * -(-n // block))
+        start.extend(range(0, n, block))
+    return _to_device(owner, device), _to_device(start, device), _to_device(list(numels), device)
 
 
 def multi_tensor_ok(*tensors: torch.Tensor) -> bool:
@@ -221,7 +211,7 @@ def adamw_multi_(
     lr, beta1, beta2, eps, wd = hyper
     block = 1024 if interpret_mode() else 4096
     device = ps[0].device
-    owner, start, numels = _block_tables([p.numel() for p in ps], block, device)
+    owner, start, numels = _block_tables(tuple(p.numel() for p in ps), block, device)
     addrs = _to_device([t.data_ptr() for four in zip(ps, gs, ms, vs, strict=True) for t in four], device)
     ty = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
     tl_.adamw_multi_kernel[(owner.numel(),)](
