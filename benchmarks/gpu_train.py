@@ -241,7 +241,8 @@ def main() -> None:
         "--kernels",
         default=None,
         help="megalith systems swap in only these kernels (comma-separated of rms_norm, rope, swiglu, "
-        "cross_entropy; default all)",
+        "cross_entropy, qkv; default: all for the eager systems, " + ",".join(COMPILED_KERNELS) + " for the "
+        "compiled megalith system)",
     )
     parser.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="result file name under benchmarks/results/")
