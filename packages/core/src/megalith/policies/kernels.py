@@ -169,16 +169,12 @@ def kernel_set(only: Iterable[str] | None) -> frozenset[str]:
     return chosen
 
 
-def apply_kernels(
-    model: nn.Module, cross_entropy: bool = True, only: Iterable[str] | None = None
-) -> KernelPatch:
+def apply_kernels(model: nn.Module, only: Iterable[str] | None = None) -> KernelPatch:
     """Swap the kernels into `model` in place (see the module docstring); returns what changed.
 
     `only` limits the swap to some of `KERNELS` (e.g. leave RMSNorm and RoPE to `torch.compile`,
-    which fuses them with the residual adds around them); `cross_entropy=False` drops that one."""
+    which fuses them with the residual adds around them, or keep HF's loss and logits)."""
     chosen = kernel_set(only)
-    if not cross_entropy:
-        chosen -= {"cross_entropy"}
     if getattr(model, _ATTR, None) is not None:
         raise ConfigError(f"kernels are already applied to this {type(model).__name__}")
     family = _family(model)
