@@ -1,6 +1,6 @@
 """Separate vs concatenated projections of one TinyLlama layer, forward + backward.
 
-Why `megalith.policies.fused_qkv` exists and why the MLP's gate/up pair is not fused the same way:
+Why `megalith.policies.attention` fuses q/k/v and why the MLP's gate/up pair is not fused the same way:
 for each group of projections sharing an input (q/k/v: 2048, 256, 256 outputs; gate/up: 5632 each;
 hidden 2048, 16384 tokens = the 8 × 2048 batch of `gpu_train.py`, bf16) this times
 

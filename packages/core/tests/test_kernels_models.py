@@ -61,8 +61,7 @@ def test_kernels_give_same_loss_and_grads(cls, config, backend, monkeypatch):
     ref = cls(config(**SMALL)).to(DEVICE, DTYPE)
     fused = copy.deepcopy(ref)
     patch = apply_kernels(fused)
-    assert patch.summary() == {"rms_norm": 5, "forwards": 5, "rope": 1}  # 2 MLPs, 2 attentions, the LM
-    assert modeling_llama.apply_rotary_pos_emb is not None
+    assert patch.summary() == {"rms_norm": 5, "forwards": 5, "rope": 2}  # 2 MLPs, 2 attentions, the LM
     loss_ref, grads_ref = _loss_and_grads(ref)
     loss, grads = _loss_and_grads(fused)
     assert fused(input_ids=_batch()[0], labels=_batch()[1]).logits is None
@@ -76,18 +75,29 @@ def test_kernels_give_same_loss_and_grads(cls, config, backend, monkeypatch):
     assert "forward" not in fused.__dict__
 
 
-def test_rope_patch_is_reference_counted_and_reversible():
+def test_kernels_stay_inside_the_patched_model(monkeypatch):
+    """The rotary kernel runs in the patched model's attention only: the family's module-level
+    function is untouched, another Llama in the process keeps HF's code, `remove_kernels` ends it."""
+    import megalith.policies.attention as attention
+
+    monkeypatch.setenv("MEGALITH_KERNELS", "torch")
+    calls: list[int] = []
+    real = attention.apply_rotary
+    monkeypatch.setattr(attention, "apply_rotary", lambda *a: calls.append(1) or real(*a))
     original = modeling_llama.apply_rotary_pos_emb
-    a, b = (LlamaForCausalLM(LlamaConfig(**SMALL)) for _ in range(2))
-    apply_kernels(a)
-    apply_kernels(b)
-    assert modeling_llama.apply_rotary_pos_emb is not original
-    remove_kernels(a)
-    assert modeling_llama.apply_rotary_pos_emb is not original  # b still uses it
-    remove_kernels(b)
+    torch.manual_seed(0)
+    patched = LlamaForCausalLM(LlamaConfig(**SMALL))
+    plain = copy.deepcopy(patched)
+    apply_kernels(patched, only=["rope"])
     assert modeling_llama.apply_rotary_pos_emb is original
-    with pytest.raises(ConfigError, match="no kernels"):
-        remove_kernels(b)
+    ids = _batch()[0].cpu()
+    want = plain(input_ids=ids).logits
+    assert calls == []
+    torch.testing.assert_close(patched(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)
+    assert len(calls) == 2  # one per layer
+    remove_kernels(patched)
+    patched(input_ids=ids)
+    assert len(calls) == 2
 
 
 def test_kernel_subset_swaps_only_what_is_named(monkeypatch):
@@ -145,13 +155,22 @@ def test_fused_qkv_matches_separate_projections(cls, config):
     assert all("forward" not in layer.self_attn.__dict__ for layer in fused.model.layers)
 
 
-def test_fused_qkv_leaves_wrapped_projections_alone():
-    """A projection that is not a plain nn.Linear (e.g. a LoRA wrapper) keeps HF's forward."""
-    model = LlamaForCausalLM(LlamaConfig(**SMALL))
+def test_wrapped_projections_are_not_fused(monkeypatch):
+    """A projection that is not a plain nn.Linear (e.g. a LoRA wrapper) is never fused: with only
+    "qkv" that attention keeps HF's forward; with "rope" too it runs its modules one by one, and
+    the logits equal the plain model's."""
+    monkeypatch.setenv("MEGALITH_KERNELS", "torch")
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(LlamaConfig(**SMALL))
+    model = copy.deepcopy(plain)
     model.model.layers[0].self_attn.k_proj = torch.nn.Sequential(model.model.layers[0].self_attn.k_proj)
     assert apply_kernels(model, only=["qkv"]).summary()["forwards"] == 1
     assert "forward" not in model.model.layers[0].self_attn.__dict__
     assert "forward" in model.model.layers[1].self_attn.__dict__
+    remove_kernels(model)
+    assert apply_kernels(model, only=["qkv", "rope"]).summary() == {"rms_norm": 0, "forwards": 2, "rope": 2}
+    ids = _batch()[0].cpu()
+    torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
 
 
 def test_unknown_kernel_name_is_refused_by_name():

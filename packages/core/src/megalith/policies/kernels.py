@@ -6,13 +6,10 @@ What `apply_kernels(model)` patches (all undone by `remove_kernels(model)`):
   Parameter (names, optimizer state and checkpoints unchanged);
 - every ``{Llama,Qwen2,Mistral}MLP`` without biases and with SiLU → its instance ``forward`` becomes
   `swiglu_mlp` (gate and up into one buffer, fused SwiGLU, hidden rebuilt by the backward kernel);
-- the model family's module-level ``apply_rotary_pos_emb`` (looked up by the HF attention forward
-  at call time) → the rotary kernel (for ``unsqueeze_dim=1``; reference-counted over patched models:
-  the original returns when the last one is un-patched; unpatched models of that family in the same
-  process also get the kernel, which computes the same function);
-- every ``{Llama,Qwen2,Mistral}Attention`` with plain linear q/k/v projections → its instance
-  ``forward`` becomes `fused_qkv_forward` (one matmul over the concatenated q/k/v weights when
-  there is no KV cache; parameters unchanged);
+- every ``{Llama,Qwen2,Mistral}Attention`` → its instance ``forward`` becomes
+  `megalith.policies.attention.attention_forward` with the rotary kernel (``"rope"``) and/or q, k
+  and v as one matmul over the concatenated weights (``"qkv"``, plain ``nn.Linear`` projections
+  only); per module, so other models of the family in the process keep HF's code;
 - the CausalLM's instance ``forward``: when ``labels`` are given, the LM head and the shifted
   cross-entropy run as `fused_linear_cross_entropy` and the output has ``logits=None``; without
   labels the class forward runs unchanged.
@@ -20,11 +17,10 @@ What `apply_kernels(model)` patches (all undone by `remove_kernels(model)`):
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from types import MethodType, ModuleType
+from types import MethodType
 from typing import Any, cast
 
 import torch
@@ -32,16 +28,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalith.common.errors import ConfigError
-from megalith.kernels import KernelRMSNorm, apply_rotary, fused_linear_cross_entropy, swiglu_mlp
-from megalith.policies.fused_qkv import fusable_attention, fused_qkv_forward
+from megalith.kernels import KernelRMSNorm, fused_linear_cross_entropy, swiglu_mlp
+from megalith.policies.attention import attention_forward, fusable_qkv
 
 logger = logging.getLogger(__name__)
 
 FAMILIES = ("Llama", "Qwen2", "Mistral")
 KERNELS = ("rms_norm", "rope", "swiglu", "cross_entropy", "qkv")  # what `apply_kernels(only=...)` may name
 _ATTR = "_megalith_kernel_patch"
-_ROPE_FN = "apply_rotary_pos_emb"
-_ROPE_PATCHES: dict[str, tuple[Any, int]] = {}  # module name -> (original function, patched models)
 
 
 @dataclass
@@ -50,14 +44,10 @@ class KernelPatch:
 
     modules: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list)  # parent, attr, original
     forwards: list[nn.Module] = field(default_factory=list)  # modules given an instance forward
-    rope_module: str | None = None
+    rope: int = 0  # attention modules running the rotary kernel
 
     def summary(self) -> dict[str, int]:
-        return {
-            "rms_norm": len(self.modules),
-            "forwards": len(self.forwards),
-            "rope": int(self.rope_module is not None),
-        }
+        return {"rms_norm": len(self.modules), "forwards": len(self.forwards), "rope": self.rope}
 
 
 def _family(model: nn.Module) -> str:
@@ -81,33 +71,6 @@ def _fusable_mlp(module: nn.Module) -> bool:
         "SiLU",
         "SiLUActivation",
     )
-
-
-def _make_rope(original: Any) -> Any:
-    def apply_rotary_pos_emb(
-        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if unsqueeze_dim != 1 or cos.dim() != 3:
-            return original(q, k, cos, sin, unsqueeze_dim)
-        return apply_rotary(q, k, cos, sin)
-
-    return apply_rotary_pos_emb
-
-
-def _patch_rope(module: ModuleType) -> None:
-    original, count = _ROPE_PATCHES.get(module.__name__, (getattr(module, _ROPE_FN), 0))
-    if count == 0:
-        setattr(module, _ROPE_FN, _make_rope(original))
-    _ROPE_PATCHES[module.__name__] = (original, count + 1)
-
-
-def _unpatch_rope(name: str) -> None:
-    original, count = _ROPE_PATCHES[name]
-    if count <= 1:
-        setattr(importlib.import_module(name), _ROPE_FN, original)
-        del _ROPE_PATCHES[name]
-    else:
-        _ROPE_PATCHES[name] = (original, count - 1)
 
 
 def _causal_lm_forward(self: Any, *args: Any, labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
@@ -153,9 +116,12 @@ def _swap_norms_and_mlps(model: nn.Module, family: str, patch: KernelPatch, chos
             elif kind == f"{family}MLP" and "swiglu" in chosen and _fusable_mlp(child):
                 child.forward = MethodType(_mlp_forward, child)
                 patch.forwards.append(child)
-            elif kind == f"{family}Attention" and "qkv" in chosen and fusable_attention(child):
-                child.forward = MethodType(fused_qkv_forward, child)
-                patch.forwards.append(child)
+            elif kind == f"{family}Attention":
+                fuse, rope = "qkv" in chosen and fusable_qkv(child), "rope" in chosen
+                if fuse or rope:
+                    child.forward = MethodType(attention_forward(fuse, rope), child)
+                    patch.forwards.append(child)
+                    patch.rope += rope
 
 
 def kernel_set(only: Iterable[str] | None) -> frozenset[str]:
@@ -180,10 +146,6 @@ def apply_kernels(model: nn.Module, only: Iterable[str] | None = None) -> Kernel
     family = _family(model)
     patch = KernelPatch()
     _swap_norms_and_mlps(model, family, patch, chosen)
-    rope_module = importlib.import_module(type(model).__module__)
-    if "rope" in chosen and hasattr(rope_module, _ROPE_FN):
-        _patch_rope(rope_module)
-        patch.rope_module = rope_module.__name__
     head = getattr(model, "lm_head", None)
     if (
         "cross_entropy" in chosen
@@ -199,7 +161,7 @@ def apply_kernels(model: nn.Module, only: Iterable[str] | None = None) -> Kernel
 
 
 def remove_kernels(model: nn.Module) -> None:
-    """Undo `apply_kernels` (modules back, instance forwards removed, rotary function restored)."""
+    """Undo `apply_kernels` (modules back, instance forwards removed)."""
     patch: KernelPatch | None = getattr(model, _ATTR, None)
     if patch is None:
         raise ConfigError(f"no kernels were applied to this {type(model).__name__}")
@@ -207,6 +169,4 @@ def remove_kernels(model: nn.Module) -> None:
         setattr(parent, attr, original)
     for module in patch.forwards:
         del module.forward
-    if patch.rope_module is not None:
-        _unpatch_rope(patch.rope_module)
     delattr(model, _ATTR)
