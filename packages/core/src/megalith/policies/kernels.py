@@ -105,7 +105,7 @@ def _causal_lm_forward(self: Any, *args: Any, labels: torch.Tensor | None = None
     )
 
 
-def _swap_norms_and_mlps(model: nn.Module, family: str, patch: KernelPatch, chosen: frozenset[str]) -> None:
+def _swap_modules(model: nn.Module, family: str, patch: KernelPatch, chosen: frozenset[str]) -> None:
     for parent in list(model.modules()):
         for attr, child in list(parent.named_children()):
             kind = type(child).__name__
@@ -145,7 +145,7 @@ def apply_kernels(model: nn.Module, only: Iterable[str] | None = None) -> Kernel
         raise ConfigError(f"kernels are already applied to this {type(model).__name__}")
     family = _family(model)
     patch = KernelPatch()
-    _swap_norms_and_mlps(model, family, patch, chosen)
+    _swap_modules(model, family, patch, chosen)
     head = getattr(model, "lm_head", None)
     if (
         "cross_entropy" in chosen
