@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import environment, write_result
+from _common import write_result
 
 PEAK_FLOPS = 768e12  # measured bf16 dense matmul ceiling of one H200 (see the project's issue)
 SYSTEMS = (
@@ -258,7 +258,7 @@ def main() -> None:
     rows = parent(args)
     name = args.out or ("gpu_train_h200.json" if args.device == "cuda" else "gpu_train_cpu.json")
     payload = {"batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
-               "peak_flops": PEAK_FLOPS, "systems": rows, "env": environment()}  # fmt: skip
+               "peak_flops": PEAK_FLOPS, "systems": rows}  # fmt: skip
     print(f"wrote {write_result(name, payload)}")
 
 

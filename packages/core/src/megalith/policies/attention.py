@@ -15,6 +15,8 @@ other models of the same family in the process keep HF's code.
   an H200 (16384 tokens, bf16, `benchmarks/gpu_qkv.py`): forward + backward of the three
   projections 0.88 ms separately, 0.77 ms fused (the forward alone is the same, 0.25 ms); the same
   fusion of the MLP's gate and up projections (5632 outputs each) gains nothing, so it is not done.
+  Inside a whole ``torch.compile``-d training step the q/k/v gain did not show (76.7k vs 77.0k
+  tokens/s, run-to-run noise), so the compiled benchmark leaves it out; eager steps use it.
   Only plain ``nn.Linear`` projections are fused (see `fusable_qkv`); others run as modules.
 * ``rope``: the rotary kernel (`megalith.kernels.apply_rotary`) for the ``[batch, seq, dim]``
   cos/sin tables these models pass, the family's ``apply_rotary_pos_emb`` otherwise.
