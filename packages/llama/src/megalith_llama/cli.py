@@ -63,6 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = [DEFAULT_COMMAND, *argv]  # `llama-pretrain [train flags]` runs the default command
     args = build_parser().parse_args(argv)
+    args.argv = argv  # what a re-launch under torch.distributed.run passes on
     # Imported here, not at the top: spawned tokenization workers re-import this module and
     # should not pay for torch (which megalith.common pulls in).
     from megalith.common.errors import MegalithError

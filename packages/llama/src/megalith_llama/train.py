@@ -88,6 +88,10 @@ class TrainConfig:
             raise ConfigError(f"--max-tokens must be > 0, got {self.max_tokens}")
         if self.pp < 1:
             raise ConfigError(f"--pp must be >= 1, got {self.pp}")
+        from megalith.booster.plugins import plugin_names
+
+        if self.plugin not in plugin_names():
+            raise ConfigError(f"unknown plugin {self.plugin!r}; choose one of {', '.join(plugin_names())}")
         kernel_names(self.kernels)  # raises on an unknown name
         if self.kernels != "none" and (self.tp > 1 or self.pp > 1 or self.lora):
             raise ConfigError(

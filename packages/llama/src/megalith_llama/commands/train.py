@@ -153,15 +153,14 @@ def relaunch_if_needed(args: argparse.Namespace) -> int | None:
 
     nproc = args.nproc_per_node if args.nproc_per_node is not None else default_nproc(args.device)
     if nproc > 1 and not under_launcher():
-        return relaunch(
-            nproc, [args.command, *_argv_after_command(args.command)], module="megalith_llama.cli"
-        )
+        return relaunch(nproc, [args.command, *_argv_after_command(args)], module="megalith_llama.cli")
     return None
 
 
-def _argv_after_command(command: str) -> list[str]:
-    argv = sys.argv[1:]
-    return argv[argv.index(command) + 1 :] if command in argv else argv
+def _argv_after_command(args: argparse.Namespace) -> list[str]:
+    """The flags after the command name, as given to `main` (the process's own when not recorded)."""
+    argv = list(getattr(args, "argv", sys.argv[1:]))
+    return argv[argv.index(args.command) + 1 :] if args.command in argv else argv
 
 
 def config_from_args(args: argparse.Namespace) -> object:
@@ -172,12 +171,13 @@ def config_from_args(args: argparse.Namespace) -> object:
 
 
 def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)  # bad flags fail here, before any rank is started
     code = relaunch_if_needed(args)
     if code is not None:
         return code
     from megalith_llama.train import run_training
 
-    result = run_training(config_from_args(args))  # type: ignore[arg-type]
+    result = run_training(cfg)  # type: ignore[arg-type]
     if int(os.environ.get("RANK", "0")) == 0:
         print_summary(result)
     return 0
