@@ -88,10 +88,9 @@ class TrainConfig:
             raise ConfigError(f"--max-tokens must be > 0, got {self.max_tokens}")
         if self.pp < 1:
             raise ConfigError(f"--pp must be >= 1, got {self.pp}")
-        from megalith.booster.plugins import plugin_names
+        from megalith.booster.plugins import check_plugin_name
 
-        if self.plugin not in plugin_names():
-            raise ConfigError(f"unknown plugin {self.plugin!r}; choose one of {', '.join(plugin_names())}")
+        check_plugin_name(self.plugin)
         kernel_names(self.kernels)  # raises on an unknown name
         if self.kernels != "none" and (self.tp > 1 or self.pp > 1 or self.lora):
             raise ConfigError(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 HELP = "continual pretraining (default: SmolLM2-135M-Instruct on Python's own docs, 2 CPU ranks, ZeRO-2)"
 
@@ -158,9 +157,9 @@ def relaunch_if_needed(args: argparse.Namespace) -> int | None:
 
 
 def _argv_after_command(args: argparse.Namespace) -> list[str]:
-    """The flags after the command name, as given to `main` (the process's own when not recorded)."""
-    argv = list(getattr(args, "argv", sys.argv[1:]))
-    return argv[argv.index(args.command) + 1 :] if args.command in argv else argv
+    """The flags after the command name, as given to `main` (which records them in ``args.argv``)."""
+    argv: list[str] = args.argv
+    return argv[argv.index(args.command) + 1 :]
 
 
 def config_from_args(args: argparse.Namespace) -> object:

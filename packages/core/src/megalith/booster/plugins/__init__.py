@@ -6,9 +6,9 @@ from megalith.booster.plugins.zero import ZeroPlugin
 
 __all__ = ["DDPConfig", "DDPPlugin", "MemoryPlan", "Plugin", "ZeroPlugin"]
 
-from megalith.booster.plugins.registry import make_plugin, plugin_names, register_plugin
+from megalith.booster.plugins.registry import check_plugin_name, make_plugin, plugin_names, register_plugin
 
-__all__ += ["make_plugin", "plugin_names", "register_plugin"]
+__all__ += ["check_plugin_name", "make_plugin", "plugin_names", "register_plugin"]
 
 from megalith.booster.plugins.hybrid import HybridConfig, HybridPlugin  # noqa: E402
 

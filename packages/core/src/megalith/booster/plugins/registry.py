@@ -26,8 +26,14 @@ def plugin_names() -> list[str]:
     return sorted(_FACTORIES)
 
 
-def make_plugin(name: str, **options: Any) -> Plugin:
-    """Build a plugin by name; unknown names raise `ConfigError` listing the choices."""
+def check_plugin_name(name: str) -> None:
+    """Raise `ConfigError` listing the choices when no plugin is registered under `name` (lets a
+    command line refuse a bad `--plugin` before it builds anything)."""
     if name not in _FACTORIES:
         raise ConfigError(f"unknown plugin {name!r}; choose one of {', '.join(plugin_names())}")
+
+
+def make_plugin(name: str, **options: Any) -> Plugin:
+    """Build a plugin by name; unknown names raise `ConfigError` listing the choices."""
+    check_plugin_name(name)
     return _FACTORIES[name](**options)
