@@ -1,4 +1,4 @@
-"""ZeRO-1/2 on 2 and 4 gloo ranks equal a single-process fp32 reference (acceptance 1/2 of core v1)."""
+"""ZeRO-1/2 on 2 and 4 gloo ranks (and its one-rank path) equal a single-process fp32 reference (acceptance 1/2 of core v1)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import torch
 from megalith.booster import Booster
 from megalith.booster.plugins import DDPPlugin, ZeroPlugin
 from megalith.testing import assert_states_close, run_distributed, state_of
-from megalith.testing.loops import boosted_steps, reference_steps
+from megalith.testing.loops import boosted_steps, lm_loss, reference_steps
 from megalith.testing.models import WithUnused, synthetic_batches
+from megalith.zero import ZeroConfig, ZeroOptimizer
 
 STEPS, GLOBAL_BATCH, SEQ, LR, WD, EPS = 3, 8, 12, 1e-3, 0.1, 1e-6
 VARIANTS = {
@@ -93,6 +94,44 @@ def test_ddp_matches_single_process() -> None:
     for name in ("plain", "accum4", "clip"):
         for states in results:
             assert_states_close(states[name], reference(name), atol=1e-6)
+
+
+def _one_rank_zero(stage: int, overlap: bool) -> tuple[WithUnused, ZeroOptimizer]:
+    """ZeroOptimizer with a dp group of one (as under TP-only hybrid layouts): no reduction, the
+    gradients are packed straight into the shards."""
+    model = WithUnused()
+    inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, eps=EPS)
+    config = ZeroConfig(stage=stage, bucket_size_mb=0.01, overlap_communication=overlap)
+    names = {p: n for n, p in model.named_parameters()}
+    return model, ZeroOptimizer(inner, names, config, master_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_optimizer_on_one_rank_matches_single_process(stage: int, overlap: bool) -> None:
+    model, opt = _one_rank_zero(stage, overlap)
+    for ids in _batches(1):
+        opt.backward(lm_loss(model, ids))
+        opt.step()
+        opt.zero_grad()
+    assert_states_close(state_of(model), reference("plain"), atol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_step_without_backward_after_zero_grad_moves_nothing(stage: int) -> None:
+    """Stage 2 leaves its gradient shards stale at zero_grad (the next reduction overwrites them);
+    a step before any backward must still see zero gradients and leave every parameter alone."""
+    model, opt = _one_rank_zero(stage, overlap=True)
+    ids = _batches(1)[0]
+    opt.backward(lm_loss(model, ids))
+    opt.step()
+    opt.zero_grad()
+    before = state_of(model)
+    assert opt.clip_grad_by_norm(1.0) == 0.0
+    opt.step()
+    after = state_of(model)
+    for name, value in before.items():
+        assert torch.equal(after[name], value), name
 
 
 def test_reference_actually_trains() -> None:

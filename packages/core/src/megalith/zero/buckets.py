@@ -80,12 +80,18 @@ class FlatBucket(FlatLayout):
         self.shard = self.flat[lo:hi]
         self.ready: set[int] = set()
 
-    def flat_grads(self) -> torch.Tensor:
-        """The bucket's local gradients packed like `flat` (zeros for params that got none)."""
-        out = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+    def flat_grads(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The bucket's local gradients packed like `flat` (zeros for params that got none and for the
+        padding), into `out` if given: one write per element."""
+        if out is None:
+            out = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
         for s in self.slots:
-            if s.param.grad is not None:
-                out[s.offset : s.offset + s.numel].copy_(s.param.grad.reshape(-1))
+            piece = out[s.offset : s.offset + s.numel]
+            if s.param.grad is None:
+                piece.zero_()
+            else:
+                piece.copy_(s.param.grad.reshape(-1))
+        out[self.numel :].zero_()
         return out
 
 

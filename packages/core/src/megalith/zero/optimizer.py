@@ -54,6 +54,7 @@ class ZeroOptimizer(BoostedOptimizer):
         self._next_launch = 0
         self._hooks: list[Any] = []
         self._got_grad: set[int] = set()
+        self._grads_written = True  # the gradient shards hold this step's values (zeros at first)
         self.overlap = config.overlap_communication
         first = next((p for g in optim.param_groups for p in g["params"]), None)
         if self.overlap is None:
@@ -121,23 +122,32 @@ class ZeroOptimizer(BoostedOptimizer):
             self._launch(nxt, async_op=True)
 
     def _launch(self, bucket: FlatBucket, async_op: bool) -> None:
-        """Reduce-scatter one bucket's gradients (launches must happen in bucket order on every rank)."""
+        """Reduce-scatter one bucket's gradients (launches must happen in bucket order on every rank).
+
+        Stage 2 reduces straight into the bucket's gradient shard; with one rank the shard is the
+        whole bucket and the gradients are packed into it (one copy, nothing to reduce). Stage 1
+        reduces into a scratch shard (its own shard aliases the input), except on one rank, where
+        the flat gradient buffer already is the shard.
+        """
         self._next_launch += 1
+        shard = bucket.grad_shard  # type: ignore[attr-defined]
+        self._grads_written = True
         if self.config.stage == 1:
             self._point_grads_at_flat(bucket)
+            if self.dp_size == 1:
+                return
             flat = bucket.grad_flat  # type: ignore[attr-defined]
+            out = torch.empty_like(shard)
         else:
-            flat = bucket.flat_grads()
+            flat = bucket.flat_grads(shard if self.dp_size == 1 else None)
             for s in bucket:
                 s.param.grad = None  # stage 2 keeps only the shard
-        out = torch.empty(bucket.shard_numel, dtype=flat.dtype, device=flat.device)
-        if self.dp_size > 1:
-            # On gloo `flat` is scratch afterwards: under stage 1 the p.grad views of other ranks'
-            # chunks hold partial sums, which is why the reduced shard is read from `out` only.
-            work = reduce_scatter_flat(out, flat, group=self.dp_group, async_op=async_op)
-        else:
-            out.copy_(flat)
-            work = None
+            if self.dp_size == 1:
+                return
+            out = shard
+        # On gloo `flat` is scratch afterwards: under stage 1 the p.grad views of other ranks'
+        # chunks hold partial sums, which is why the reduced shard is read from `out` only.
+        work = reduce_scatter_flat(out, flat, group=self.dp_group, async_op=async_op)
         self._pending.append(_Pending(bucket, out, work))
 
     def _finish_backward(self) -> None:
@@ -147,13 +157,19 @@ class ZeroOptimizer(BoostedOptimizer):
             if pending.work is not None:
                 pending.work.wait()
             pending.out.div_(self.dp_size)
-            pending.bucket.grad_shard.copy_(pending.out)  # type: ignore[attr-defined]
+            shard = pending.bucket.grad_shard  # type: ignore[attr-defined]
+            if pending.out is not shard:
+                shard.copy_(pending.out)
             pending.bucket.ready.clear()
         self._pending.clear()
         self._next_launch = 0
 
     # -- step -------------------------------------------------------------------------------------
     def _master_grads(self) -> list[torch.Tensor]:
+        if not self._grads_written:  # a step with no backward since zero_grad: zero gradients
+            for bucket in self.buckets:
+                bucket.grad_shard.zero_()  # type: ignore[attr-defined]
+            self._grads_written = True
         if not self._prepared:
             for bucket, master in zip(self.buckets, self.masters, strict=True):
                 grad = bucket.grad_shard  # type: ignore[attr-defined]
@@ -175,26 +191,25 @@ class ZeroOptimizer(BoostedOptimizer):
         """Parameters that got no gradient on any rank must not move (as with a plain torch optimizer,
         which skips `grad is None`): stash their master and state pieces to restore after the step."""
         slots = [s for b in self.buckets for s in b]
-        flags = torch.tensor(
-            [id(s.param) in self._got_grad for s in slots],
-            dtype=torch.uint8,
-            device=comm_device(self.dp_group),
-        )
+        got = [id(s.param) in self._got_grad for s in slots]
         if dist.is_initialized() and self.dp_size > 1:
+            flags = torch.tensor(got, dtype=torch.uint8, device=comm_device(self.dp_group))
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.dp_group)
-        unused = {s.name for s, f in zip(slots, flags.tolist(), strict=True) if not f}
+            got = [bool(f) for f in flags.tolist()]
+        unused = {s.name for s, f in zip(slots, got, strict=True) if not f}
         return self._stash_pieces(unused)
 
     def _after_inner_step(self, stash: Any) -> None:
         self._restore_pieces(stash)
 
     def _zero_grad(self) -> None:
+        """Stage 1 zeroes the flat buffers the gradients accumulate in; stage 2's shards are
+        overwritten whole by the next reduction (or zeroed by a step that comes before one)."""
         self._got_grad.clear()
+        self._grads_written = self.config.stage == 1
         for bucket, master in zip(self.buckets, self.masters, strict=True):
             if self.config.stage == 1:
                 bucket.grad_flat.zero_()  # type: ignore[attr-defined]
-            else:
-                bucket.grad_shard.zero_()  # type: ignore[attr-defined]
             master.grad = None
             if self.config.stage == 2:
                 for s in bucket:
