@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from megalith_chat.cli import main
+
+
+def test_help_does_not_import_torch() -> None:
+    """Building the parser (``--help``) loads no torch: the heavy imports wait for the commands."""
+    code = "import sys; from megalith_chat.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,26 @@ def test_every_command_has_help(capsys: pytest.CaptureFixture[str]) -> None:
             parser.parse_args([name, "--help"])
         assert exc.value.code == 0
         assert "--data-dir" in capsys.readouterr().out
+
+
+def test_help_does_not_import_torch() -> None:
+    """`--help` of every command reads only argparse and dataclass defaults (the cli module's
+    promise): neither torch nor transformers is imported to build the parser."""
+    code = (
+        "import sys; from megalith_llama.cli import build_parser; build_parser(); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
+def test_train_flag_defaults_are_the_config_defaults() -> None:
+    from megalith_llama.train_config import TrainConfig
+
+    args = build_parser().parse_args(["train"])
+    config = TrainConfig()
+    for name in ("plugin", "precision", "lr", "batch_size", "seq_len", "max_steps", "kernels", "tp"):
+        assert getattr(args, name) == getattr(config, name), name
 
 
 def test_prepare_then_eval(

@@ -19,6 +19,15 @@ from megalith_qa.config import resolve_data_dir
 from megalith_qa.evaluation import hit_at, load_eval_set, ndcg, reciprocal_rank
 
 
+def test_help_does_not_import_torch() -> None:
+    """Building the parser (``--help``) loads no torch: the heavy imports wait for the commands."""
+    code = (
+        "import sys; from megalith_qa.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
 def test_metrics_by_hand() -> None:
     rel = frozenset({"A"})
     ranked = ["B", "C", "A", "A"]

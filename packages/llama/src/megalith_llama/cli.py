@@ -15,6 +15,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from megalith.common.errors import MegalithError
+from megalith.common.logging import configure_logging
 from megalith_llama.paths import DATA_DIR_ENV, DEFAULT_DATA_DIR
 
 COMMAND_MODULES: tuple[str, ...] = (
@@ -64,11 +66,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = [DEFAULT_COMMAND, *argv]  # `llama-pretrain [train flags]` runs the default command
     args = build_parser().parse_args(argv)
     args.argv = argv  # what a re-launch under torch.distributed.run passes on
-    # Imported here, not at the top: spawned tokenization workers re-import this module and
-    # should not pay for torch (which megalith.common pulls in).
-    from megalith.common.errors import MegalithError
-    from megalith.common.logging import configure_logging
-
     configure_logging(getattr(logging, args.log_level))
     try:
         return int(args.func(args))

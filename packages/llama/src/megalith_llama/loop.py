@@ -21,7 +21,7 @@ from megalith.distributed import world_size as _world
 from megalith_llama.train_utils import MetricsLog, peak_flops, prune_checkpoints
 
 if TYPE_CHECKING:
-    from megalith_llama.train import TrainConfig
+    from megalith_llama.train_config import TrainConfig
 
 
 def heldout_ppl(booster: Any, model: Any, heldout: Any, cfg: TrainConfig, device: torch.device) -> float:

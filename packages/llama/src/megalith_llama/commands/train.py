@@ -10,9 +10,9 @@ HELP = "continual pretraining (default: SmolLM2-135M-Instruct on Python's own do
 
 def add_training_flags(p: argparse.ArgumentParser, output: str) -> None:
     """Flags shared by `train` and `sft`."""
-    from megalith_llama.train import TrainConfig
+    from megalith_llama.train_config import defaults
 
-    d = TrainConfig()
+    d = defaults()
     p.add_argument(
         "--model", default=None, help="'smollm2' (default), a tiny config name, an HF directory or .gguf"
     )
@@ -163,7 +163,7 @@ def _argv_after_command(args: argparse.Namespace) -> list[str]:
 
 
 def config_from_args(args: argparse.Namespace) -> object:
-    from megalith_llama.train import TrainConfig
+    from megalith_llama.train_config import TrainConfig
 
     names = set(TrainConfig.__dataclass_fields__) - {"extra"}
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
