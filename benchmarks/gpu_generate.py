@@ -14,6 +14,9 @@ Memory-bound floor (new tokens/s): a decode step must read every weight that tak
 context ``P + N/2``; ``floor = B * bandwidth / bytes_per_step`` with the bandwidth of a large
 device-to-device copy (bytes read + written) measured in the same run.
 
+Per engine run also: ``prefill_s`` (the prompt pass alone) and ``decode_step_ms`` (the rest of a
+``generate`` per decode step).
+
 Also measured: a GRPO step (generate 8 prompts x G=8 -> policy-gradient update -> weight sync)
 with the fast engine vs HF generate, in one process each.
 
@@ -157,9 +160,12 @@ def run_fast(args: argparse.Namespace, model: Any, batch: int, mode: str) -> dic
     engine.generate(ids, mask, params)  # captures one graph per KV bucket (and compiles the ops)
     warm = time.perf_counter() - t0
     seconds = timed(lambda: engine.generate(ids, mask, params), args.device, 3)
+    prefill = prefill_seconds(args, engine, ids, mask, params)
     out = {
         "batch": batch,
         "seconds": seconds,
+        "prefill_s": prefill,
+        "decode_step_ms": (seconds - prefill) / max(1, args.new_tokens - 1) * 1e3,
         "warmup_s": warm,
         "tokens_per_s": batch * args.new_tokens / seconds,
         "graphs": len(engine._graphs),
@@ -171,6 +177,15 @@ def run_fast(args: argparse.Namespace, model: Any, batch: int, mode: str) -> dic
         if args.profile:
             out["profile"] = decode_profile(args, engine, batch)
     return out
+
+
+def prefill_seconds(args: argparse.Namespace, engine: Any, ids: Any, mask: Any, params: Any) -> float:
+    """Time of the prompt pass alone (cache fill + last-position logits), best of three: what a
+    ``generate`` spends before its first decode step."""
+    st, b = engine.state, engine.bucket(ids.shape[0])
+    start = st.prepare(ids, mask, b, params, (), 0)
+    rows = st.prompt_rows(ids, b, 0)
+    return timed(lambda: engine._prefill(rows, start), args.device, 3)
 
 
 def decode_profile(args: argparse.Namespace, engine: Any, batch: int) -> dict[str, Any]:
