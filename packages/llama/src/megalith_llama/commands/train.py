@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 
+from megalith_llama.train_config import TrainConfig, defaults
+
 HELP = "continual pretraining (default: SmolLM2-135M-Instruct on Python's own docs, 2 CPU ranks, ZeRO-2)"
 
 
 def add_training_flags(p: argparse.ArgumentParser, output: str) -> None:
     """Flags shared by `train` and `sft`."""
-    from megalith_llama.train_config import defaults
-
     d = defaults()
     p.add_argument(
         "--model", default=None, help="'smollm2' (default), a tiny config name, an HF directory or .gguf"
@@ -162,9 +162,7 @@ def _argv_after_command(args: argparse.Namespace) -> list[str]:
     return argv[argv.index(args.command) + 1 :]
 
 
-def config_from_args(args: argparse.Namespace) -> object:
-    from megalith_llama.train_config import TrainConfig
-
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
     names = set(TrainConfig.__dataclass_fields__) - {"extra"}
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
 
@@ -176,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         return code
     from megalith_llama.train import run_training
 
-    result = run_training(cfg)  # type: ignore[arg-type]
+    result = run_training(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
         print_summary(result)
     return 0
