@@ -8,7 +8,11 @@ Per system, in a fresh process each, after ``--warmup`` steps:
    host is ahead of the device and never makes it wait);
 3. a kernel trace of ``--trace-steps`` steps: busy time per step by kind (matmul, attention,
    optimizer, copies and memsets, other kernels), the idle time between kernels, the largest gaps
-   with the kernels on either side, and the top kernels.
+   with the kernels on either side, and the top kernels;
+4. with ``--gap-causes``, a second trace that also records the host: for each of the largest gaps,
+   how late the host launched the kernel after it (launch time minus the end of the kernel before:
+   positive means the device waited for the host) and the innermost host operations around that
+   launch. The host-side profiler slows the host, so these gaps are larger than in step 3.
 
 On the CPU (``--device cpu --tiny``) only the step times are measured (a smoke test of the script).
 
@@ -127,6 +131,57 @@ def kernel_trace(step: Any, ids: torch.Tensor, n: int) -> dict[str, Any]:
     }
 
 
+def gap_causes(step: Any, ids: torch.Tensor, n: int, top: int = 12) -> dict[str, Any]:
+    """The largest gaps between kernels of ``n`` steps, each with the host's launch delay and ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step(ids)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        events = json.loads(Path(path).read_text())["traceEvents"]
+    kernels = sorted(
+        (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
+        key=lambda e: e["ts"],
+    )
+    launches = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
+    ops: dict[Any, list[dict[str, Any]]] = {}
+    for e in events:
+        if e.get("cat") in ("cpu_op", "user_annotation", "python_function") and "dur" in e:
+            ops.setdefault(e["tid"], []).append(e)
+    rows: list[dict[str, Any]] = []
+    host_late = 0.0
+    end, last = kernels[0]["ts"] + kernels[0]["dur"], kernels[0]["name"]
+    for e in kernels[1:]:
+        gap = e["ts"] - end
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        if gap > 0 and launch is not None:
+            late = launch["ts"] + launch.get("dur", 0.0) - end
+            host_late += max(0.0, min(gap, late))
+            enclosing = [
+                o for o in ops.get(launch["tid"], []) if o["ts"] <= launch["ts"] <= o["ts"] + o["dur"]
+            ]
+            names = [o["name"][:70] for o in sorted(enclosing, key=lambda o: o["dur"])[:4]]
+            rows.append({"gap_us": round(gap, 1), "host_late_us": round(late, 1), "before": last[:50],
+                         "after": e["name"][:50], "host_ops": names})  # fmt: skip
+        if e["ts"] + e["dur"] >= end:
+            end, last = e["ts"] + e["dur"], e["name"]
+    rows.sort(key=lambda r: -r["gap_us"])
+    idle = sum(r["gap_us"] for r in rows)
+    return {
+        "idle_ms": idle / (1e3 * n),
+        "host_late_ms": host_late / (1e3 * n),
+        "largest": rows[:top],
+    }
+
+
 def child(system: str, args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -143,6 +198,8 @@ def child(system: str, args: argparse.Namespace) -> dict[str, Any]:
     row["tokens_per_s"] = args.batch * args.seq / (row["steps"]["wall_ms"] / 1e3)
     if cuda:
         row["trace"] = kernel_trace(step, batches[0], args.trace_steps)
+        if args.gap_causes:
+            row["gap_causes"] = gap_causes(step, batches[0], args.trace_steps)
     return row
 
 
@@ -166,6 +223,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4, help="untimed steps first (default 4)")
     parser.add_argument("--steps", type=int, default=8, help="steps timed one by one (default 8)")
     parser.add_argument("--trace-steps", type=int, default=3, help="steps in the kernel trace (default 3)")
+    parser.add_argument(
+        "--gap-causes",
+        action="store_true",
+        help="also trace the host and attribute the largest gaps between kernels (GPU only)",
+    )
     parser.add_argument("--timeout", type=float, default=900, help="seconds per system process")
     parser.add_argument("--child", choices=gpu_train.SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument(
@@ -184,6 +246,7 @@ def main() -> None:
     forwarded = ["--device", args.device, "--batch", str(args.batch), "--seq", str(args.seq)]
     forwarded += ["--warmup", str(args.warmup), "--steps", str(args.steps)]
     forwarded += ["--trace-steps", str(args.trace_steps), *(["--tiny"] if args.tiny else [])]
+    forwarded += ["--gap-causes"] if args.gap_causes else []
     rows = []
     for system in args.systems:
         cmd = [sys.executable, __file__, "--child", system, *forwarded]
@@ -201,6 +264,8 @@ def main() -> None:
             t = rows[-1]["trace"]
             print(f"  busy {t['busy_ms']} idle {t['idle_ms']:.2f} ms over {t['kernels_per_step']:.0f} kernels; "
                   f"sync calls: {rows[-1]['sync_calls']}", flush=True)  # fmt: skip
+        for gap in rows[-1].get("gap_causes", {}).get("largest", []):
+            print(f"  gap {gap}", flush=True)
     name = args.out or ("gpu_step_probe_h200.json" if args.device == "cuda" else "gpu_step_probe_cpu.json")
     payload = {"batch": args.batch, "seq": args.seq, "warmup": args.warmup, "systems": rows}
     print(f"wrote {write_result(name, payload)}")
