@@ -97,22 +97,6 @@ def _(dy: Tensor, g: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
     return g.new_empty(g.shape[0], 2 * g.shape[1]), g.new_empty(g.shape)
 
 
-@_op
-def gate_up(x: Tensor, w_gate: Tensor, w_up: Tensor) -> Tensor:
-    """[x Wgᵀ | x Wuᵀ] as one [M, 2I] tensor: two matmuls writing the halves in place (strided
-    outputs, which `torch.compile` cannot trace — hence an op), no concatenated weight."""
-    n = w_gate.shape[0]
-    out = x.new_empty(x.shape[0], 2 * n)
-    torch.mm(x, w_gate.t(), out=out[:, :n])
-    torch.mm(x, w_up.t(), out=out[:, n:])
-    return out
-
-
-@gate_up.register_fake
-def _(x: Tensor, w_gate: Tensor, w_up: Tensor) -> Tensor:
-    return x.new_empty(x.shape[0], 2 * w_gate.shape[0])
-
-
 def chunk_rows(tokens: int, vocab: int, hidden: int) -> int:
     """Rows per logits chunk: a power of two near T / ⌈V / 2H⌉, so one [rows, V] chunk holds about
     as many elements as two [T, H] activations (TinyLlama at 16k tokens: 2048 rows, 8 chunks)."""

@@ -5,7 +5,7 @@ What `apply_kernels(model)` patches (all undone by `remove_kernels(model)`):
 - every ``{Llama,Qwen2,Mistral}RMSNorm`` module → a `KernelRMSNorm` holding the *same* weight
   Parameter (names, optimizer state and checkpoints unchanged);
 - every ``{Llama,Qwen2,Mistral}MLP`` without biases and with SiLU → its instance ``forward`` becomes
-  `swiglu_mlp` (gate and up into one buffer, fused SwiGLU, hidden rebuilt by the backward kernel);
+  `swiglu_mlp` (fused SwiGLU, hidden rebuilt by the backward kernel, one gate/up weight-gradient matmul);
 - every ``{Llama,Qwen2,Mistral}Attention`` → its instance ``forward`` becomes
   `megalith.policies.attention.attention_forward` with the rotary kernel (``"rope"``) and/or q, k
   and v as one matmul over the concatenated weights (``"qkv"``, plain ``nn.Linear`` projections
