@@ -257,6 +257,24 @@ def test_fused_linear_cross_entropy(backend, tokens, hidden, vocab, reduction, s
     _close(w.grad, wr.grad, TOL[1], "dw")
 
 
+def test_fused_linear_cross_entropy_over_several_chunks_with_a_partial_last(backend):
+    from megalith.kernels.custom_ops import chunk_rows
+
+    tokens, hidden, vocab = 37, 4, 64
+    rows = chunk_rows(tokens, vocab, hidden)
+    assert 1 < rows < tokens and tokens % rows, rows  # several chunks, the last one shorter
+    torch.manual_seed(3)
+    h, w = _leaf(tokens, hidden), _leaf(vocab, hidden, scale=0.5)
+    labels = torch.randint(0, vocab, (tokens,), device=DEVICE)
+    labels[::5] = -100
+    fused_linear_cross_entropy(h, w, labels).backward()
+    hr, wr = _twin(h), _twin(w)
+    ref = F.cross_entropy(hr @ wr.t(), labels, ignore_index=-100)
+    ref.backward()
+    _close(h.grad, hr.grad, TOL[1], "dh")
+    _close(w.grad, wr.grad, TOL[1], "dw")
+
+
 def test_fused_linear_cross_entropy_without_grad_skips_gradients(backend):
     h, w = torch.randn(5, 4, device=DEVICE, dtype=DTYPE), torch.randn(9, 4, device=DEVICE, dtype=DTYPE)
     labels = torch.tensor([1, 2, -100, 3, 8], device=DEVICE)

@@ -1,0 +1,145 @@
+"""Interleaved A/B of training-step variants at the 1.1B TinyLlama shape (see gpu_train.py).
+
+Step times on one H200 drift by a few percent between runs and hosts, so small levers are judged
+here: every variant runs in a fresh process, the variants take turns for ``--rounds`` rounds, and
+the summary gives each variant's mean tokens/s and its ratio to the mean of ``hf_liger`` measured
+in between. Variants:
+
+- ``hf_liger`` / ``megalith``: the systems of gpu_train.py;
+- ``megalith_ce<N>``: megalith with the fused cross-entropy's logits chunk fixed at N rows
+  (the default is `megalith.kernels.custom_ops.chunk_rows`: 4096 rows at this shape);
+- ``*_expandable``: the same with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
+
+    python benchmarks/gpu_train_ab.py --variants hf_liger megalith megalith_ce2048 --rounds 2
+    python benchmarks/gpu_train_ab.py --device cpu --tiny --rounds 1   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_train
+from _common import write_result
+
+EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+VARIANT = re.compile(r"^(hf_liger|megalith)(?:_ce(\d+))?(_expandable)?$")
+
+
+def parse_variant(name: str) -> tuple[str, int | None, dict[str, str]]:
+    """(system, logits chunk rows or None, extra environment) of a variant name."""
+    match = VARIANT.match(name)
+    if match is None or (match.group(1) == "hf_liger" and match.group(2)):
+        raise argparse.ArgumentTypeError(
+            f"unknown variant {name!r}: use hf_liger[_expandable] or megalith[_ce<rows>][_expandable]"
+        )
+    rows = int(match.group(2)) if match.group(2) else None
+    if rows == 0:
+        raise argparse.ArgumentTypeError(f"variant {name!r}: the chunk must have at least one row")
+    return match.group(1), rows, EXPANDABLE if match.group(3) else {}
+
+
+def child(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    system, rows, _ = parse_variant(name)
+    if rows is not None:
+        from megalith.kernels import custom_ops
+
+        custom_ops.chunk_rows = lambda tokens, vocab, hidden: min(tokens, rows)
+    return {"variant": name, **gpu_train.child(system, args)}
+
+
+def run_rounds(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every variant once per round, each in a fresh process; the rows in run order."""
+    forwarded = ["--device", args.device, "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    forwarded += ["--tiny"] if args.tiny else []
+    runs: list[dict[str, Any]] = []
+    for turn in range(args.rounds):
+        for name in args.variants:
+            env = os.environ | parse_variant(name)[2]
+            cmd = [sys.executable, __file__, "--child", name, *forwarded]
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode != 0 or not lines:
+                raise SystemExit(f"variant {name} failed:\n{(proc.stderr or proc.stdout)[-3000:]}")
+            row = json.loads(lines[-1][len("RESULT ") :])
+            runs.append(row | {"round": turn, "wall_s": time.perf_counter() - t0})
+            mem = f"{row['peak_mem_GiB']:.2f} GiB" if row["peak_mem_GiB"] is not None else "-"
+            print(f"round {turn}  {name:24s} {row['tokens_per_s']:9.0f} tok/s  peak {mem}", flush=True)
+    return runs
+
+
+def summarize(variants: list[str], runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Mean tokens/s per variant and, when hf_liger ran, the ratio to its mean."""
+    summary = {
+        v: {"tokens_per_s": mean(r["tokens_per_s"] for r in runs if r["variant"] == v)} for v in variants
+    }
+    base = summary.get("hf_liger", {}).get("tokens_per_s")
+    for name, s in summary.items():
+        if base:
+            s["vs_hf_liger"] = s["tokens_per_s"] / base
+        ratio = f"  {s['vs_hf_liger']:.3f}x hf_liger" if base else ""
+        print(f"mean {name:24s} {s['tokens_per_s']:9.0f} tok/s{ratio}")
+    return summary
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name in args.variants:
+        try:
+            parse_variant(name)
+        except argparse.ArgumentTypeError as err:
+            parser.error(str(err))
+    if args.device != "cuda" and any(name.startswith("hf_liger") for name in args.variants):
+        parser.error(
+            "hf_liger variants need a GPU (Liger-Kernel is Triton-only); on CPU compare megalith variants"
+        )
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--variants", nargs="+", type=str, default=["hf_liger", "megalith", "megalith_ce2048"],
+                        help="variants to compare (default: hf_liger megalith megalith_ce2048)")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=2, help="turns every variant takes (default 2)")
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    parser.add_argument("--tiny", action="store_true", help="tiny model for a CPU smoke test")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per process (default 3)")
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per process (default 12)")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per variant process")
+    parser.add_argument("--out", default=None, help="result file under benchmarks/results/")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if not args.child:
+        check_args(parser, args)
+    args.batch, args.seq = (2, 32) if args.tiny else (8, 2048)
+    args.kernels, args.multi_tensor, args.profile = None, False, False
+    if args.child:
+        print("RESULT " + json.dumps(child(args.child, args)), flush=True)
+        return
+    runs = run_rounds(args)
+    summary = summarize(args.variants, runs)
+    out = args.out or ("gpu_train_ab_h200.json" if args.device == "cuda" else "gpu_train_ab_cpu.json")
+    payload = {
+        "rounds": args.rounds,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "summary": summary,
+        "runs": runs,
+    }
+    print(f"wrote {write_result(out, payload)}")
+
+
+if __name__ == "__main__":
+    main()
