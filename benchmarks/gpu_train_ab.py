@@ -8,6 +8,8 @@ in between. Variants:
 - ``hf_liger`` / ``megalith``: the systems of gpu_train.py;
 - ``megalith_ce<N>``: megalith with the fused cross-entropy's logits chunk fixed at N rows
   (the default is `megalith.kernels.custom_ops.chunk_rows`: 4096 rows at this shape);
+- ``megalith_nocache``: megalith with ``use_cache=False`` in every loss forward (HF's default
+  builds a KV cache in training forwards too; skipping it was measured slower, see the core README);
 - ``*_expandable``: the same with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
 
     python benchmarks/gpu_train_ab.py --variants hf_liger megalith megalith_ce2048 --rounds 2
@@ -32,20 +34,21 @@ import gpu_train
 from _common import write_result
 
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-VARIANT = re.compile(r"^(hf_liger|megalith)(?:_ce(\d+))?(_expandable)?$")
+VARIANT = re.compile(r"^(hf_liger|megalith)(?:_ce(\d+))?(_nocache)?(_expandable)?$")
 
 
 def parse_variant(name: str) -> tuple[str, int | None, dict[str, str]]:
     """(system, logits chunk rows or None, extra environment) of a variant name."""
     match = VARIANT.match(name)
-    if match is None or (match.group(1) == "hf_liger" and match.group(2)):
+    if match is None or (match.group(1) == "hf_liger" and (match.group(2) or match.group(3))):
         raise argparse.ArgumentTypeError(
-            f"unknown variant {name!r}: use hf_liger[_expandable] or megalith[_ce<rows>][_expandable]"
+            f"unknown variant {name!r}: use hf_liger[_expandable] or "
+            "megalith[_ce<rows>][_nocache][_expandable]"
         )
     rows = int(match.group(2)) if match.group(2) else None
     if rows == 0:
         raise argparse.ArgumentTypeError(f"variant {name!r}: the chunk must have at least one row")
-    return match.group(1), rows, EXPANDABLE if match.group(3) else {}
+    return match.group(1), rows, EXPANDABLE if match.group(4) else {}
 
 
 def child(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -54,6 +57,13 @@ def child(name: str, args: argparse.Namespace) -> dict[str, Any]:
         from megalith.kernels import custom_ops
 
         custom_ops.chunk_rows = lambda tokens, vocab, hidden: min(tokens, rows)
+    if name.startswith("megalith") and "_nocache" in name:
+        from megalith.policies import kernels
+
+        loss_forward = kernels._causal_lm_forward
+        kernels._causal_lm_forward = lambda self, *a, **kw: loss_forward(
+            self, *a, **{"use_cache": False, **kw}
+        )
     return {"variant": name, **gpu_train.child(system, args)}
 
 
