@@ -191,6 +191,34 @@ def test_swiglu_mlp_matches_three_linears(backend, tokens, hidden, inter, seed):
         _close(got.grad, want.grad, TOL[1], name)
 
 
+def test_swiglu_mlp_saves_x_gate_and_up_not_the_hidden(backend):
+    """Activations kept for backward: x [M, H], g and u [M, I] (2I + H per token); the three-linear
+    module also keeps silu(g) and h. Weights are not counted (they are parameters)."""
+    tokens, hidden, inter = 6, 8, 20
+    x = _leaf(tokens, hidden)
+    weights = [_leaf(inter, hidden), _leaf(inter, hidden), _leaf(hidden, inter)]
+    params = {w.data_ptr() for w in weights}
+
+    def saved_activation_numel(fn) -> int:
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.data_ptr() not in params:
+                seen[t.data_ptr()] = t.numel()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn()
+        return sum(seen.values())
+
+    fused = saved_activation_numel(lambda: swiglu_mlp(x, *weights))
+    plain = saved_activation_numel(
+        lambda: (F.silu(x @ weights[0].t()) * (x @ weights[1].t())) @ weights[2].t()
+    )
+    assert fused == tokens * (hidden + 2 * inter), fused
+    assert plain > fused, (plain, fused)
+
+
 _PTX_SCRIPT = """
 import json, re, triton
 import triton.language as tl
