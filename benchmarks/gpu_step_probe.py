@@ -88,11 +88,15 @@ def step_times(step: Any, batches: list[torch.Tensor], n: int, cuda: bool) -> di
     return {"wall_ms": wall, "device_ms": device, "host_ms": host}
 
 
-def kernel_trace(step: Any, ids: torch.Tensor, n: int) -> dict[str, Any]:
-    """Busy time by kind, idle gaps and top kernels per step, from a profiler trace of ``n`` steps."""
+def traced_steps(
+    step: Any, ids: torch.Tensor, n: int, host: bool
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The chrome-trace events of ``n`` profiled steps (the host's too if ``host``) and, sorted by
+    start time, the device events among them: kernels, copies and memsets."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if host else [ProfilerActivity.CUDA]
+    with profile(activities=activities) as prof:
         for _ in range(n):
             step(ids)
         torch.cuda.synchronize()
@@ -104,6 +108,12 @@ def kernel_trace(step: Any, ids: torch.Tensor, n: int) -> dict[str, Any]:
         (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
         key=lambda e: e["ts"],
     )
+    return events, kernels
+
+
+def kernel_trace(step: Any, ids: torch.Tensor, n: int) -> dict[str, Any]:
+    """Busy time by kind, idle gaps and top kernels per step, from a profiler trace of ``n`` steps."""
+    _, kernels = traced_steps(step, ids, n, host=False)
     busy: dict[str, float] = {}
     top: dict[str, float] = {}
     gaps: list[tuple[float, str, str]] = []
@@ -133,20 +143,7 @@ def kernel_trace(step: Any, ids: torch.Tensor, n: int) -> dict[str, Any]:
 
 def gap_causes(step: Any, ids: torch.Tensor, n: int, top: int = 12) -> dict[str, Any]:
     """The largest gaps between kernels of ``n`` steps, each with the host's launch delay and ops."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            step(ids)
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        events = json.loads(Path(path).read_text())["traceEvents"]
-    kernels = sorted(
-        (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
-        key=lambda e: e["ts"],
-    )
+    events, kernels = traced_steps(step, ids, n, host=True)
     launches = {
         e["args"]["correlation"]: e
         for e in events

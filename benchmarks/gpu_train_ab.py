@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 from statistics import mean
-from typing import Any
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_train
@@ -37,8 +37,15 @@ EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 VARIANT = re.compile(r"^(hf_liger|megalith)(?:_ce(\d+))?(_nocache)?(_expandable)?$")
 
 
-def parse_variant(name: str) -> tuple[str, int | None, dict[str, str]]:
-    """(system, logits chunk rows or None, extra environment) of a variant name."""
+class Variant(NamedTuple):
+    system: str  # a system of gpu_train.py
+    chunk_rows: int | None  # the fused cross-entropy's logits chunk, None: its default
+    no_cache: bool  # use_cache=False in every loss forward
+    env: dict[str, str]  # added to the process environment
+
+
+def parse_variant(name: str) -> Variant:
+    """What a variant name asks for; an unknown name is an ArgumentTypeError naming it."""
     match = VARIANT.match(name)
     if match is None or (match.group(1) == "hf_liger" and (match.group(2) or match.group(3))):
         raise argparse.ArgumentTypeError(
@@ -48,23 +55,24 @@ def parse_variant(name: str) -> tuple[str, int | None, dict[str, str]]:
     rows = int(match.group(2)) if match.group(2) else None
     if rows == 0:
         raise argparse.ArgumentTypeError(f"variant {name!r}: the chunk must have at least one row")
-    return match.group(1), rows, EXPANDABLE if match.group(4) else {}
+    return Variant(match.group(1), rows, bool(match.group(3)), EXPANDABLE if match.group(4) else {})
 
 
 def child(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    system, rows, _ = parse_variant(name)
-    if rows is not None:
+    variant = parse_variant(name)
+    if variant.chunk_rows is not None:
         from megalith.kernels import custom_ops
 
+        rows = variant.chunk_rows
         custom_ops.chunk_rows = lambda tokens, vocab, hidden: min(tokens, rows)
-    if name.startswith("megalith") and "_nocache" in name:
+    if variant.no_cache:
         from megalith.policies import kernels
 
         loss_forward = kernels._causal_lm_forward
         kernels._causal_lm_forward = lambda self, *a, **kw: loss_forward(
             self, *a, **{"use_cache": False, **kw}
         )
-    return {"variant": name, **gpu_train.child(system, args)}
+    return {"variant": name, **gpu_train.child(variant.system, args)}
 
 
 def run_rounds(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -74,7 +82,7 @@ def run_rounds(args: argparse.Namespace) -> list[dict[str, Any]]:
     runs: list[dict[str, Any]] = []
     for turn in range(args.rounds):
         for name in args.variants:
-            env = os.environ | parse_variant(name)[2]
+            env = os.environ | parse_variant(name).env
             cmd = [sys.executable, __file__, "--child", name, *forwarded]
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)

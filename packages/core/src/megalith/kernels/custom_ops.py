@@ -100,8 +100,8 @@ def _(dy: Tensor, g: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
 def chunk_rows(tokens: int, vocab: int, hidden: int) -> int:
     """Rows per logits chunk: a power of two near T / ⌈V / 4H⌉, so one [rows, V] chunk holds about
     as many elements as four [T, H] activations (TinyLlama at 16k tokens: 4096 rows, 4 chunks).
-    Fewer chunks mean fewer passes over the fp32 dW accumulator: on an H200, 4096 rows were 0.35 %
-    faster per training step than 2048 at the same peak memory."""
+    Fewer chunks mean fewer passes over the fp32 dW accumulator: on an H200, 4096 rows were 0.4–0.5 %
+    faster per training step than 2048 at the same peak memory (benchmarks/gpu_train_ab.py)."""
     rows = max(1, tokens // max(1, -(-vocab // (4 * hidden))))
     return max(1, min(tokens, 1 << (rows.bit_length() - 1)))
 
