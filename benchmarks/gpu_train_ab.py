@@ -8,8 +8,6 @@ in between. Variants:
 - ``hf_liger`` / ``megalith``: the systems of gpu_train.py;
 - ``megalith_ce<N>``: megalith with the fused cross-entropy's logits chunk fixed at N rows
   (the default is `megalith.kernels.custom_ops.chunk_rows`: 4096 rows at this shape);
-- ``megalith_saveh<N>``: megalith with the first N MLPs keeping their hidden for the backward
-  (`megalith.policies.kernels.apply_kernels(save_mlp_hidden=N)`);
 - ``megalith_nocache``: megalith with ``use_cache=False`` in every loss forward (HF's default
   builds a KV cache in training forwards too; skipping it was measured slower, see the core README);
 - ``*_expandable``: the same with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
@@ -36,30 +34,28 @@ import gpu_train
 from _common import write_result
 
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-VARIANT = re.compile(r"^(hf_liger|megalith)(?:_ce(\d+))?(?:_saveh(\d+))?(_nocache)?(_expandable)?$")
+VARIANT = re.compile(r"^(hf_liger|megalith)(?:_ce(\d+))?(_nocache)?(_expandable)?$")
 
 
 class Variant(NamedTuple):
     system: str  # a system of gpu_train.py
     chunk_rows: int | None  # the fused cross-entropy's logits chunk, None: its default
     no_cache: bool  # use_cache=False in every loss forward
-    save_hidden: int  # MLPs keeping their hidden for the backward (apply_kernels' save_mlp_hidden)
     env: dict[str, str]  # added to the process environment
 
 
 def parse_variant(name: str) -> Variant:
     """What a variant name asks for; an unknown name is an ArgumentTypeError naming it."""
     match = VARIANT.match(name)
-    if match is None or (match.group(1) == "hf_liger" and any(match.group(i) for i in (2, 3, 4))):
+    if match is None or (match.group(1) == "hf_liger" and (match.group(2) or match.group(3))):
         raise argparse.ArgumentTypeError(
             f"unknown variant {name!r}: use hf_liger[_expandable] or "
-            "megalith[_ce<rows>][_saveh<layers>][_nocache][_expandable]"
+            "megalith[_ce<rows>][_nocache][_expandable]"
         )
     rows = int(match.group(2)) if match.group(2) else None
     if rows == 0:
         raise argparse.ArgumentTypeError(f"variant {name!r}: the chunk must have at least one row")
-    saved = int(match.group(3) or 0)
-    return Variant(match.group(1), rows, bool(match.group(4)), saved, EXPANDABLE if match.group(5) else {})
+    return Variant(match.group(1), rows, bool(match.group(3)), EXPANDABLE if match.group(4) else {})
 
 
 def child(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -69,13 +65,6 @@ def child(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
         rows = variant.chunk_rows
         custom_ops.chunk_rows = lambda tokens, vocab, hidden: min(tokens, rows)
-    if variant.save_hidden:
-        from megalith.policies import kernels
-
-        apply = kernels.apply_kernels
-        kernels.apply_kernels = lambda model, only=None: apply(
-            model, only, save_mlp_hidden=variant.save_hidden
-        )
     if variant.no_cache:
         from megalith.policies import kernels
 

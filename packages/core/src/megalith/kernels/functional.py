@@ -101,47 +101,38 @@ class _SwiGLUMLP(torch.autograd.Function):
     g, u [I] (2I + H values) where the module keeps x, g, u and h (3I + H). Gate and up are two
     matmuls into contiguous outputs (writing both into halves of one [M, 2I] buffer made each a
     strided-output GEMM, ~4 % slower on an H200); their gradients come out side by side as
-    [dg | du] so the weight gradient is one matmul. With ``save_hidden`` h is kept too (I more
-    values per token) and the backward kernel does not write it again (one [M, I] store less)."""
+    [dg | du] so the weight gradient is one matmul."""
 
     @staticmethod
-    def forward(
-        ctx: Any, x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, save_hidden: bool
-    ) -> Tensor:
+    def forward(ctx: Any, x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
         x2 = _rows(x, x.shape[-1])
         g, u = x2 @ w_gate.t(), x2 @ w_up.t()
         h = ops.swiglu_fwd(g, u)
-        ctx.save_for_backward(x2, g, u, w_gate, w_up, w_down, *([h] if save_hidden else []))
+        ctx.save_for_backward(x2, g, u, w_gate, w_up, w_down)
         return (h @ w_down.t()).view(*x.shape[:-1], w_down.shape[0])
 
     @staticmethod
-    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
-        x2, g, u, w_gate, w_up, w_down, *saved = ctx.saved_tensors
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor, ...]:
+        x2, g, u, w_gate, w_up, w_down = ctx.saved_tensors
         n = w_gate.shape[0]
         dy2 = _rows(dy, dy.shape[-1])
-        if saved:  # h kept by the forward: the kernel writes only [dg | du]
-            (h,) = saved
-            dgu = ops.swiglu_bwd(dy2 @ w_down, g, u)
-        else:
-            dgu, h = ops.swiglu_bwd_h(dy2 @ w_down, g, u)  # [M, 2I] = [dg | du], h [M, I]
+        dgu, h = ops.swiglu_bwd_h(dy2 @ w_down, g, u)  # [M, 2I] = [dg | du], h [M, I]
         dw_down = dy2.t() @ h
         del h
         dx = torch.addmm(dgu[:, :n] @ w_gate, dgu[:, n:], w_up)
         dw_gu = dgu.t() @ x2
-        return dx.view(*dy.shape[:-1], x2.shape[1]), dw_gu[:n], dw_gu[n:], dw_down, None
+        return dx.view(*dy.shape[:-1], x2.shape[1]), dw_gu[:n], dw_gu[n:], dw_down
 
 
-def swiglu_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, save_hidden: bool = False) -> Tensor:
-    """The Llama MLP without biases: x [..., H], w_gate/w_up [I, H], w_down [H, I] → [..., H].
-
-    ``save_hidden``: keep h = silu(g)·u for the backward instead of rebuilding it (memory for speed)."""
+def swiglu_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+    """The Llama MLP without biases: x [..., H], w_gate/w_up [I, H], w_down [H, I] → [..., H]."""
     h = x.shape[-1]
     if w_gate.shape != w_up.shape or w_gate.shape[1] != h or w_down.shape != (h, w_gate.shape[0]):
         raise ConfigError(
             f"swiglu_mlp: x {tuple(x.shape)}, gate {tuple(w_gate.shape)}, up {tuple(w_up.shape)}, "
             f"down {tuple(w_down.shape)} do not fit [..., H], [I, H], [I, H], [H, I]"
         )
-    return _SwiGLUMLP.apply(x, w_gate, w_up, w_down, save_hidden)
+    return _SwiGLUMLP.apply(x, w_gate, w_up, w_down)
 
 
 class _FusedLinearCE(torch.autograd.Function):

@@ -64,10 +64,6 @@ def _mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
 
 
-def _mlp_forward_saving(self: Any, x: torch.Tensor) -> torch.Tensor:
-    return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, save_hidden=True)
-
-
 def _fusable_mlp(module: nn.Module) -> bool:
     projections = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     act = type(getattr(module, "act_fn", None)).__name__
@@ -109,10 +105,7 @@ def _causal_lm_forward(self: Any, *args: Any, labels: torch.Tensor | None = None
     )
 
 
-def _swap_modules(
-    model: nn.Module, family: str, patch: KernelPatch, chosen: frozenset[str], save_mlp_hidden: int
-) -> None:
-    saving = save_mlp_hidden
+def _swap_modules(model: nn.Module, family: str, patch: KernelPatch, chosen: frozenset[str]) -> None:
     for parent in list(model.modules()):
         for attr, child in list(parent.named_children()):
             kind = type(child).__name__
@@ -121,8 +114,7 @@ def _swap_modules(
                 setattr(parent, attr, KernelRMSNorm(cast(nn.Parameter, child.weight), eps))
                 patch.modules.append((parent, attr, child))
             elif kind == f"{family}MLP" and "swiglu" in chosen and _fusable_mlp(child):
-                child.forward = MethodType(_mlp_forward_saving if saving > 0 else _mlp_forward, child)
-                saving -= 1
+                child.forward = MethodType(_mlp_forward, child)
                 patch.forwards.append(child)
             elif kind == f"{family}Attention":
                 fuse, rope = "qkv" in chosen and fusable_qkv(child), "rope" in chosen
@@ -143,24 +135,17 @@ def kernel_set(only: Iterable[str] | None) -> frozenset[str]:
     return chosen
 
 
-def apply_kernels(
-    model: nn.Module, only: Iterable[str] | None = None, save_mlp_hidden: int = 0
-) -> KernelPatch:
+def apply_kernels(model: nn.Module, only: Iterable[str] | None = None) -> KernelPatch:
     """Swap the kernels into `model` in place (see the module docstring); returns what changed.
 
     `only` limits the swap to some of `KERNELS` (e.g. leave RMSNorm and RoPE to `torch.compile`,
-    which fuses them with the residual adds around them, or keep HF's loss and logits).
-    `save_mlp_hidden`: the first that many fused MLPs (in module order) keep their hidden
-    silu(g)·u for the backward instead of rebuilding it: [tokens, intermediate] more activation
-    memory each, one [tokens, intermediate] store less in each backward."""
+    which fuses them with the residual adds around them, or keep HF's loss and logits)."""
     chosen = kernel_set(only)
-    if save_mlp_hidden < 0:
-        raise ConfigError(f"kernels: save_mlp_hidden must be >= 0, got {save_mlp_hidden}")
     if getattr(model, _ATTR, None) is not None:
         raise ConfigError(f"kernels are already applied to this {type(model).__name__}")
     family = _family(model)
     patch = KernelPatch()
-    _swap_modules(model, family, patch, chosen, save_mlp_hidden)
+    _swap_modules(model, family, patch, chosen)
     head = getattr(model, "lm_head", None)
     if (
         "cross_entropy" in chosen
