@@ -48,8 +48,6 @@ SYSTEMS = (
     "grpo_hf",
     "fast_nocompile",
     "fast_eager",
-    "fast_torch",
-    "fast_nopdl",
 )
 
 
@@ -152,10 +150,8 @@ def run_fast(args: argparse.Namespace, model: Any, batch: int, mode: str) -> dic
         max_batch=batch,
         max_len=args.prompt_len + args.new_tokens,
         cuda_graphs=mode != "fast_eager",
-        compile_ops=mode not in ("fast_nocompile", "fast_eager"),
+        compile_ops=mode in ("fast", "fast_sdpa"),
         attention="sdpa" if mode == "fast_sdpa" else "auto",
-        layer_kernels="torch" if mode in ("fast_torch", "fast_nocompile", "fast_eager") else "auto",
-        pdl=mode != "fast_nopdl",
     )
     engine = FastEngine(model, cfg, device=args.device)
     ids, mask = prompts(args, batch, model.config.vocab_size)
@@ -175,9 +171,6 @@ def run_fast(args: argparse.Namespace, model: Any, batch: int, mode: str) -> dic
         "graphs": len(engine._graphs),
         "compiled_ops": engine.compiled_ops,
         "attention": engine.attention,
-        "layer_kernels": None
-        if engine.layer_kernels is None
-        else ("triton+pdl" if engine.layer_kernels.pdl else "triton"),
     }
     if batch == args.batches[0] and mode == "fast":
         out["check"] = correctness(args, model, engine)

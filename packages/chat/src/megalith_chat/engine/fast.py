@@ -38,8 +38,6 @@ from torch import nn
 from megalith.common.errors import ConfigError
 from megalith_chat.engine import fast_ops
 from megalith_chat.engine.fast_attention import choose_attention, decode_attention
-from megalith_chat.engine.fast_layers import LayerKernels, pdl_available
-from megalith_chat.engine.fast_layers import self_check as layer_self_check
 from megalith_chat.engine.fast_prologue import rope_store, rope_store_reference, supported
 from megalith_chat.engine.fast_state import DecodeState
 from megalith_chat.engine.fast_weights import EngineWeights, ModelShape, effective_weights, unwrap_peft
@@ -68,10 +66,6 @@ class FastEngineConfig:
     sync_every: int = 16
     attention: str = "auto"  # decode attention: "sdpa", "triton" (split-KV kernel), "auto" = triton on CUDA
     fused_prologue: bool = True  # CUDA: one Triton kernel splits QKV, applies RoPE and writes the cache
-    layer_kernels: str = (
-        "auto"  # decode layers: "torch" (cuBLAS + compiled ops), "triton" (fused_layers), "auto"
-    )
-    pdl: bool = True  # Hopper: the fused layer kernels use programmatic dependent launch
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_len < 2:
@@ -80,8 +74,6 @@ class FastEngineConfig:
             raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.attention not in ("auto", "sdpa", "triton"):
             raise ConfigError(f"attention must be auto, sdpa or triton, got {self.attention!r}")
-        if self.layer_kernels not in ("auto", "torch", "triton"):
-            raise ConfigError(f"layer_kernels must be auto, torch or triton, got {self.layer_kernels!r}")
         if self.kv_block < 1 or self.sync_every < 1:
             raise ConfigError(
                 f"need kv_block >= 1 and sync_every >= 1, got {self.kv_block}, {self.sync_every}"
@@ -95,30 +87,6 @@ class EngineOutput:
 
     tokens: torch.Tensor
     logprobs: torch.Tensor
-
-
-def choose_layer_kernels(
-    config: FastEngineConfig, device: torch.device, head_dim: int
-) -> LayerKernels | None:
-    """The fused decode-layer kernels (:mod:`.fast_layers`) if requested and usable here, else None.
-
-    ``"auto"`` uses them on CUDA when half a head is a power of two of at least 16 (a tensor-core
-    dot) and a self-check against the torch ops passes; ``"triton"`` insists (also on the CPU,
-    where it needs ``TRITON_INTERPRET=1``) and raises if they are unusable.
-    """
-    wanted = config.layer_kernels
-    half = head_dim // 2
-    shape_ok = head_dim % 2 == 0 and half >= 16 and half & (half - 1) == 0
-    if wanted == "torch" or (wanted == "auto" and (device.type != "cuda" or not shape_ok)):
-        return None
-    pdl = config.pdl and pdl_available(device)
-    error = layer_self_check(device, pdl) if shape_ok else f"head size {head_dim} (need a power of two >= 32)"
-    if error is None:
-        return LayerKernels(pdl)
-    if wanted == "triton":
-        raise ConfigError(f"the fused decode-layer kernels are unusable here: {error}")
-    logger.warning("fused decode-layer kernels unusable (%s); using cuBLAS + compiled ops", error)
-    return None
 
 
 class FastEngine:
@@ -140,7 +108,6 @@ class FastEngine:
         self.compiled_ops = cuda and self.config.compile_ops
         self.attention = choose_attention(self.config.attention, self.device, self.shape.head_dim)
         self.fused_prologue = cuda and self.config.fused_prologue and supported(self.shape.head_dim)
-        self.layer_kernels = choose_layer_kernels(self.config, self.device, self.shape.head_dim)
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
         self.scale = self.shape.head_dim**-0.5
@@ -221,18 +188,8 @@ class FastEngine:
             st.tok[:b], st.slot, st.start[:b], w.embed, self._cos, self._sin, st.arange[:kv_len]
         )
         h = ops.rms_norm(x, w.ln1[0], s.eps)
-        lk = self.layer_kernels
         for i in range(s.layers):
             kc, vc = self.k_cache[i, :b], self.v_cache[i, :b]
-            ln_next = w.ln1[i + 1] if i + 1 < s.layers else w.norm
-            if lk is not None:  # fused Triton kernels (fast_layers)
-                q = lk.qkv_rope(h, w.wqkv[i], w.bqkv[i], cos, sin, kc, vc, st.slot, s.kv_heads, s.head_dim)
-                attn = self._attend(q, kc, vc, mask, b, kv_len, lk.pdl)
-                x, h = lk.add_rms_norm(x, lk.linear(attn.reshape(b, -1), w.wo[i], w.bo[i]), w.ln2[i], s.eps)
-                x, h = lk.add_rms_norm(
-                    x, lk.linear(lk.gate_up_silu(h, w.wgu[i]), w.wd[i], None), ln_next, s.eps
-                )
-                continue
             qkv = F.linear(h, w.wqkv[i], w.bqkv[i])
             if self.fused_prologue:
                 q = rope_store(qkv, cos, sin, kc, vc, st.slot, s.kv_heads, s.head_dim)
@@ -240,31 +197,18 @@ class FastEngine:
                 q = rope_store_reference(
                     qkv, cos, sin, kc, vc, st.slot, s.kv_heads, s.head_dim, ops.split_rope_decode
                 )
-            attn = self._attend(q, kc, vc, mask, b, kv_len, False)
+            if self.attention == "triton":
+                attn = decode_attention(
+                    q, kc[:, :, :kv_len], vc[:, :, :kv_len], st.start[:b], st.slot, self.scale
+                )
+            else:
+                attn = F.scaled_dot_product_attention(
+                    q, kc[:, :, :kv_len], vc[:, :, :kv_len], attn_mask=mask, scale=self.scale
+                )
             x, h = ops.add_rms_norm(x, F.linear(attn.reshape(b, -1), w.wo[i], w.bo[i]), w.ln2[i], s.eps)
             m = F.linear(ops.silu_mul(F.linear(h, w.wgu[i])), w.wd[i])
-            x, h = ops.add_rms_norm(x, m, ln_next, s.eps)
+            x, h = ops.add_rms_norm(x, m, w.ln1[i + 1] if i + 1 < s.layers else w.norm, s.eps)
         self._emit(F.linear(h, w.lm_head), b, filtered)
-
-    def _attend(
-        self,
-        q: torch.Tensor,
-        kc: torch.Tensor,
-        vc: torch.Tensor,
-        mask: torch.Tensor,
-        b: int,
-        kv_len: int,
-        pdl: bool,
-    ) -> torch.Tensor:
-        """Decode attention of ``q [b, KV, G, D]`` over the first ``kv_len`` slots of one layer's cache."""
-        st = self.state
-        if self.attention == "triton":
-            return decode_attention(
-                q, kc[:, :, :kv_len], vc[:, :, :kv_len], st.start[:b], st.slot, self.scale, pdl=pdl
-            )
-        return F.scaled_dot_product_attention(
-            q, kc[:, :, :kv_len], vc[:, :, :kv_len], attn_mask=mask, scale=self.scale
-        )
 
     def _emit(self, logits: torch.Tensor, b: int, filtered: bool) -> None:
         """Sample, mask finished rows, record token + log-prob at column ``ridx``, advance counters."""

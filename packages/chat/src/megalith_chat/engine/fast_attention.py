@@ -32,27 +32,20 @@ BLOCK_N = 32  # keys per loop step; with LAUNCH the fastest of a sweep on the H2
 LAUNCH = {"num_warps": 2, "num_stages": 3}
 
 
-def make_kernels() -> tuple[Any, Any]:  # noqa: PLR0915  (the kernels' bodies)
+def make_kernels() -> tuple[Any, Any]:
     """Fresh ``(partial, combine)`` Triton kernels (reads ``TRITON_INTERPRET`` now)."""
     import triton
     import triton.language as tl
-
-    try:
-        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    except ImportError:  # older Triton: kernels are only ever compiled with PDL=False
-        gdc_launch_dependents = gdc_wait = None
 
     @triton.jit
     def partial(q_ptr, k_ptr, v_ptr, start_ptr, slot_ptr, m_ptr, l_ptr, a_ptr,
                 sk_b, sk_h, sk_t, kv_heads, kv_len, split_len, num_splits, scale,
                 o_ptr, G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                PREC: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                PREC: tl.constexpr, DIRECT: tl.constexpr):  # fmt: skip
         bh = tl.program_id(0)
         sp = tl.program_id(1)
         b = bh // kv_heads
         h = bh % kv_heads
-        if PDL:  # launched early (programmatic dependent launch): wait for the producer of q and k/v
-            gdc_wait()
         first = tl.load(start_ptr + b)
         last = tl.load(slot_ptr)
         g = tl.arange(0, BG)
@@ -78,8 +71,6 @@ def make_kernels() -> tuple[Any, Any]:  # noqa: PLR0915  (the kernels' bodies)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             m_i = m_new
-        if PDL:
-            gdc_launch_dependents()
         if DIRECT:  # one split: the partial is the answer (no combine pass)
             out = acc / l_i[:, None]
             dst = o_ptr + (bh * G + g[:, None]) * D + d[None, :]
@@ -92,11 +83,8 @@ def make_kernels() -> tuple[Any, Any]:  # noqa: PLR0915  (the kernels' bodies)
 
     @triton.jit
     def combine(m_ptr, l_ptr, a_ptr, o_ptr, num_splits,
-                G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                PDL: tl.constexpr):  # fmt: skip
+                G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):  # fmt: skip
         bh = tl.program_id(0)
-        if PDL:
-            gdc_wait()
         s = tl.arange(0, BS)
         g = tl.arange(0, BG)
         d = tl.arange(0, D)
@@ -134,14 +122,12 @@ def decode_attention(
     target_programs: int = 512,
     block_n: int = BLOCK_N,
     launch: dict[str, int] | None = None,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """``q [b, KV, G, D]`` (contiguous), ``k, v [b, KV, >=kv_len, D]`` (last dim contiguous, same
     strides), ``start [b]``, ``slot`` 0-d -> ``[b, KV, G, D]`` attention output (see module doc).
 
     ``target_programs``: split the key range until the grid has about this many programs;
-    ``block_n``: keys per loop step; ``launch``: Triton launch options (``num_warps``, ``num_stages``);
-    ``pdl``: launch with programmatic dependent launch (Hopper; see :mod:`.fast_layers`).
+    ``block_n``: keys per loop step; ``launch``: Triton launch options (``num_warps``, ``num_stages``).
     The defaults won a sweep on the H200 (block 32/64/128 x 2/4/8 warps x 1-3 stages x 1-2 splits,
     0.37B shape, 256 cached slots of which 201 valid, repeated calls, so partly L2-resident): at
     batch 64 14.6 µs per layer against 19.9 µs for 64-key blocks with 4 warps; at batch 256 56 vs
@@ -163,17 +149,15 @@ def decode_attention(
     acc = torch.empty(parts, dim, device=q.device, dtype=torch.float32)
     out = torch.empty_like(q)
     sk = k.stride()
-    early = {"launch_pdl": True} if pdl else {}
     partial[(b * kv_heads, splits)](
         q, k, v, start, slot, m, lsum, acc, sk[0], sk[1], sk[2], kv_heads, kv_len, split_len, splits, scale,
         out, G=group, BG=bg, D=dim, BN=block_n, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        DIRECT=direct, PDL=pdl, **(LAUNCH if launch is None else launch), **early,
+        DIRECT=direct, **(LAUNCH if launch is None else launch),
     )  # fmt: skip
     if not direct:
         combine[(b * kv_heads,)](
-            m, lsum, acc, out, splits, G=group, BG=bg, D=dim, BS=max(triton.next_power_of_2(splits), 2),
-            PDL=pdl, **early,
-        )  # fmt: skip
+            m, lsum, acc, out, splits, G=group, BG=bg, D=dim, BS=max(triton.next_power_of_2(splits), 2)
+        )
     return out
 
 
