@@ -48,8 +48,6 @@ SYSTEMS = (
     "grpo_hf",
     "fast_nocompile",
     "fast_eager",
-    "fast_rg2",
-    "fast_rg4",
 )
 
 
@@ -152,9 +150,8 @@ def run_fast(args: argparse.Namespace, model: Any, batch: int, mode: str) -> dic
         max_batch=batch,
         max_len=args.prompt_len + args.new_tokens,
         cuda_graphs=mode != "fast_eager",
-        compile_ops=mode not in ("fast_nocompile", "fast_eager"),
+        compile_ops=mode in ("fast", "fast_sdpa"),
         attention="sdpa" if mode == "fast_sdpa" else "auto",
-        row_groups=int(mode.removeprefix("fast_rg")) if mode.startswith("fast_rg") else 1,
     )
     engine = FastEngine(model, cfg, device=args.device)
     ids, mask = prompts(args, batch, model.config.vocab_size)

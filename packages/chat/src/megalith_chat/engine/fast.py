@@ -26,7 +26,6 @@ trainer. Not thread-safe: one ``generate`` at a time.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -67,9 +66,6 @@ class FastEngineConfig:
     sync_every: int = 16
     attention: str = "auto"  # decode attention: "sdpa", "triton" (split-KV kernel), "auto" = triton on CUDA
     fused_prologue: bool = True  # CUDA: one Triton kernel splits QKV, applies RoPE and writes the cache
-    row_groups: int = (
-        1  # decode rows split into this many groups whose layers run concurrently (CUDA streams)
-    )
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_len < 2:
@@ -78,10 +74,9 @@ class FastEngineConfig:
             raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.attention not in ("auto", "sdpa", "triton"):
             raise ConfigError(f"attention must be auto, sdpa or triton, got {self.attention!r}")
-        if self.kv_block < 1 or self.sync_every < 1 or self.row_groups < 1:
+        if self.kv_block < 1 or self.sync_every < 1:
             raise ConfigError(
-                "need kv_block, sync_every and row_groups >= 1, got "
-                f"{self.kv_block}, {self.sync_every}, {self.row_groups}"
+                f"need kv_block >= 1 and sync_every >= 1, got {self.kv_block}, {self.sync_every}"
             )
 
 
@@ -92,12 +87,6 @@ class EngineOutput:
 
     tokens: torch.Tensor
     logprobs: torch.Tensor
-
-
-def row_groups(rows: int, groups: int) -> list[tuple[int, int]]:
-    n = max(1, min(groups, rows))
-    edges = [rows * i // n for i in range(n + 1)]
-    return list(zip(edges[:-1], edges[1:]))
 
 
 class FastEngine:
@@ -121,7 +110,6 @@ class FastEngine:
         self.fused_prologue = cuda and self.config.fused_prologue and supported(self.shape.head_dim)
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
-        self._side_streams: list[Any] = []
         self.scale = self.shape.head_dim**-0.5
         self.max_batch, self.max_len = 0, 0
         self.reserve(self.config.max_batch, self.config.max_len)
@@ -194,48 +182,14 @@ class FastEngine:
         return F.linear(h[:, -1], w.lm_head)
 
     def _decode_body(self, b: int, kv_len: int, filtered: bool) -> None:
-        """One decode step over static buffers (the graph-captured unit; see module doc).
-
-        With ``row_groups = n > 1`` the rows are cut into ``n`` contiguous groups whose decoder
-        layers run on ``n`` streams forked from the current one, joined for the LM head."""
-        w, st = self.weights, self.state
-        x, cos, sin, mask = self.ops.decode_prelude(
+        """One decode step over static buffers (the graph-captured unit; see module doc)."""
+        w, s, st, ops = self.weights, self.shape, self.state, self.ops
+        x, cos, sin, mask = ops.decode_prelude(
             st.tok[:b], st.slot, st.start[:b], w.embed, self._cos, self._sin, st.arange[:kv_len]
         )
-        groups = row_groups(b, self.config.row_groups)
-        if len(groups) == 1:
-            h = self._decode_layers(x, cos, sin, mask, 0, b, kv_len)
-        else:
-            h = torch.empty_like(x)
-            main = torch.cuda.current_stream() if self.device.type == "cuda" else None
-            streams = self._streams(len(groups))
-            for (lo, hi), stream in zip(groups, streams):
-                if stream is not None:
-                    stream.wait_stream(main)
-                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    h[lo:hi] = self._decode_layers(
-                        x[lo:hi], cos[lo:hi], sin[lo:hi], mask[lo:hi], lo, hi, kv_len
-                    )
-            for stream in streams:
-                if stream is not None:
-                    main.wait_stream(stream)  # type: ignore[union-attr]
-        self._emit(F.linear(h, w.lm_head), b, filtered)
-
-    def _streams(self, n: int) -> list[Any]:
-        if self.device.type != "cuda":
-            return [None] * n
-        while len(self._side_streams) < n:
-            self._side_streams.append(torch.cuda.Stream(self.device))
-        return list(self._side_streams[:n])
-
-    def _decode_layers(
-        self, x: Any, cos: Any, sin: Any, mask: Any, lo: int, hi: int, kv_len: int
-    ) -> torch.Tensor:
-        w, s, st, ops = self.weights, self.shape, self.state, self.ops
-        b = hi - lo
         h = ops.rms_norm(x, w.ln1[0], s.eps)
         for i in range(s.layers):
-            kc, vc = self.k_cache[i, lo:hi], self.v_cache[i, lo:hi]
+            kc, vc = self.k_cache[i, :b], self.v_cache[i, :b]
             qkv = F.linear(h, w.wqkv[i], w.bqkv[i])
             if self.fused_prologue:
                 q = rope_store(qkv, cos, sin, kc, vc, st.slot, s.kv_heads, s.head_dim)
@@ -245,7 +199,7 @@ class FastEngine:
                 )
             if self.attention == "triton":
                 attn = decode_attention(
-                    q, kc[:, :, :kv_len], vc[:, :, :kv_len], st.start[lo:hi], st.slot, self.scale
+                    q, kc[:, :, :kv_len], vc[:, :, :kv_len], st.start[:b], st.slot, self.scale
                 )
             else:
                 attn = F.scaled_dot_product_attention(
@@ -254,7 +208,7 @@ class FastEngine:
             x, h = ops.add_rms_norm(x, F.linear(attn.reshape(b, -1), w.wo[i], w.bo[i]), w.ln2[i], s.eps)
             m = F.linear(ops.silu_mul(F.linear(h, w.wgu[i])), w.wd[i])
             x, h = ops.add_rms_norm(x, m, w.ln1[i + 1] if i + 1 < s.layers else w.norm, s.eps)
-        return h
+        self._emit(F.linear(h, w.lm_head), b, filtered)
 
     def _emit(self, logits: torch.Tensor, b: int, filtered: bool) -> None:
         """Sample, mask finished rows, record token + log-prob at column ``ridx``, advance counters."""
