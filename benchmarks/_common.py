@@ -1,4 +1,5 @@
-"""Shared helpers for benchmark scripts: machine/version info and result writing."""
+"""Shared helpers for benchmark scripts: machine/version info, result writing, and the
+``RESULT <json>`` line by which a benchmark's child process hands its measurement back."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -40,3 +42,23 @@ def write_result(name: str, payload: dict[str, Any]) -> Path:
     tmp.write_text(json.dumps({"environment": environment(), **payload}, indent=2, sort_keys=True))
     os.replace(tmp, path)
     return path
+
+
+RESULT_TAG = "RESULT "
+
+
+def emit_result(value: Any) -> None:
+    """Print ``value`` as the child process's result line (read back by :func:`run_child`)."""
+    print(RESULT_TAG + json.dumps(value), flush=True)
+
+
+def run_child(
+    cmd: list[str], timeout: float, env: dict[str, str] | None = None
+) -> tuple[Any, subprocess.CompletedProcess[str]]:
+    """Run a benchmark child process; returns its last result line parsed (None if the process
+    failed or printed none) and the finished process (for its stderr)."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
+    if proc.returncode or not lines:
+        return None, proc
+    return json.loads(lines[-1][len(RESULT_TAG) :]), proc

@@ -37,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import RESULTS, environment
+from _common import RESULTS, emit_result, environment, run_child
 
 SYSTEMS = (
     "fast",
@@ -362,7 +362,7 @@ def worker(args: argparse.Namespace) -> None:
             else:
                 results.append(run_hf(args, model, b, static=name == "hf_static"))
             print(f"{name} batch {b}: {results[-1]}", file=sys.stderr, flush=True)
-    print("RESULT " + json.dumps(results), flush=True)
+    emit_result(results)
 
 
 def copy_bandwidth(device: str, gib: float) -> float:
@@ -472,16 +472,15 @@ def run_all(args: argparse.Namespace) -> None:
     for name in args.systems.split(","):
         cmd = [sys.executable, __file__, "--worker", name, *forwarded, *(["--tiny"] if args.tiny else [])]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout)
+            result, proc = run_child(cmd, args.worker_timeout)
         except subprocess.TimeoutExpired:
             payload["errors"][name] = f"timed out after {args.worker_timeout} s"
             continue
         sys.stderr.write(proc.stderr[-3000:])
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode or not lines:
+        if result is None:
             payload["errors"][name] = proc.stderr[-2000:]
         else:
-            payload["systems"][name] = json.loads(lines[-1][7:])
+            payload["systems"][name] = result
         summarise(payload)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(payload, indent=2, sort_keys=True))

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_train
-from _common import write_result
+from _common import emit_result, run_child, write_result
 
 KINDS = (
     ("matmul", ("nvjet", "gemm", "cutlass", "splitk")),
@@ -238,7 +237,7 @@ def main() -> None:
         parser.error(f"need --steps >= 1, --trace-steps >= 1, --warmup >= 0; got {args.steps}, "
                      f"{args.trace_steps}, {args.warmup}")  # fmt: skip
     if args.child:
-        print("RESULT " + json.dumps(child(args.child, args)), flush=True)
+        emit_result(child(args.child, args))
         return
     forwarded = ["--device", args.device, "--batch", str(args.batch), "--seq", str(args.seq)]
     forwarded += ["--warmup", str(args.warmup), "--steps", str(args.steps)]
@@ -247,13 +246,12 @@ def main() -> None:
     rows = []
     for system in args.systems:
         cmd = [sys.executable, __file__, "--child", system, *forwarded]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode or not lines:
+        row, proc = run_child(cmd, args.timeout)
+        if row is None:
             rows.append({"name": system, "error": (proc.stderr or proc.stdout)[-2000:]})
             print(f"{system}: FAILED\n{rows[-1]['error']}", flush=True)
             continue
-        rows.append(json.loads(lines[-1][len("RESULT ") :]))
+        rows.append(row)
         steps = rows[-1]["steps"]
         print(f"{system}: {rows[-1]['tokens_per_s']:.0f} tok/s, wall {steps['wall_ms']:.1f} ms/step, "
               f"device {[round(x, 1) for x in steps['device_ms']]}", flush=True)  # fmt: skip

@@ -17,9 +17,6 @@ fp32 master weights and states (`precision="bf16"`) for reference.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,7 +25,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_result
+from _common import emit_result, run_child, write_result
 
 PEAK_FLOPS = 768e12  # measured bf16 dense matmul ceiling of one H200 (see the project's issue)
 SYSTEMS = (
@@ -185,13 +182,8 @@ def parent(args: argparse.Namespace) -> list[dict[str, Any]]:
     for system in systems:
         cmd = [sys.executable, __file__, "--child", system, *_forward_args(args)]
         t0 = time.perf_counter()
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=args.timeout, env=os.environ.copy()
-        )
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode == 0 and lines:
-            row = json.loads(lines[-1][len("RESULT ") :])
-        else:
+        row, proc = run_child(cmd, args.timeout)
+        if row is None:
             row = {"name": system, "error": (proc.stderr or proc.stdout)[-2000:]}
         row["wall_s"] = time.perf_counter() - t0
         if args.profile:
@@ -253,7 +245,7 @@ def main() -> None:
     args.warmup = args.warmup if args.warmup is not None else (1 if small else 4)
     args.steps = args.steps or (2 if small else 10)
     if args.child:
-        print("RESULT " + json.dumps(child(args.child, args)), flush=True)
+        emit_result(child(args.child, args))
         return
     rows = parent(args)
     name = args.out or ("gpu_train_h200.json" if args.device == "cuda" else "gpu_train_cpu.json")

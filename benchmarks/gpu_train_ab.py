@@ -19,10 +19,8 @@ in between. Variants:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,7 +29,7 @@ from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_train
-from _common import write_result
+from _common import emit_result, run_child, write_result
 
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 VARIANT = re.compile(r"^(hf_liger|megalith)(?:_ce(\d+))?(_nocache)?(_expandable)?$")
@@ -85,11 +83,9 @@ def run_rounds(args: argparse.Namespace) -> list[dict[str, Any]]:
             env = os.environ | parse_variant(name).env
             cmd = [sys.executable, __file__, "--child", name, *forwarded]
             t0 = time.perf_counter()
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            if proc.returncode != 0 or not lines:
+            row, proc = run_child(cmd, args.timeout, env)
+            if row is None:
                 raise SystemExit(f"variant {name} failed:\n{(proc.stderr or proc.stdout)[-3000:]}")
-            row = json.loads(lines[-1][len("RESULT ") :])
             runs.append(row | {"round": turn, "wall_s": time.perf_counter() - t0})
             mem = f"{row['peak_mem_GiB']:.2f} GiB" if row["peak_mem_GiB"] is not None else "-"
             print(f"round {turn}  {name:24s} {row['tokens_per_s']:9.0f} tok/s  peak {mem}", flush=True)
@@ -144,7 +140,7 @@ def main() -> None:
     args.batch, args.seq = (2, 32) if args.tiny else (8, 2048)
     args.kernels, args.multi_tensor, args.profile = None, False, False
     if args.child:
-        print("RESULT " + json.dumps(child(args.child, args)), flush=True)
+        emit_result(child(args.child, args))
         return
     runs = run_rounds(args)
     summary = summarize(args.variants, runs)
