@@ -5,9 +5,8 @@ Model: a randomly initialised Llama of the 0.37B shape (hidden 1024, intermediat
 new tokens, sampling at temperature 1 (no top-k/top-p), no EOS, so every row decodes all 256.
 Each system runs in its own process (``--worker``); the main process measures the copy bandwidth
 and writes ``benchmarks/results/gpu_generate_h200.json``. ``fast`` is the engine's default
-configuration (split-KV Triton decode attention, split-K o and down projections up to 64 rows,
-compiled elementwise ops, fused decode prologue, CUDA graphs); ``fast_cublas`` runs every projection
-on cuBLAS; ``fast_sdpa`` swaps in SDPA for the decode attention; ``fast_nocompile`` / ``fast_eager``
+configuration (split-KV Triton decode attention, compiled elementwise ops, fused decode prologue,
+CUDA graphs); ``fast_sdpa`` swaps in SDPA for the decode attention; ``fast_nocompile`` / ``fast_eager``
 drop the compiled ops / the graphs too.
 
 Memory-bound floor (new tokens/s): a decode step must read every weight that takes part in it
@@ -42,7 +41,6 @@ from _common import RESULTS, emit_result, environment, run_child
 
 SYSTEMS = (
     "fast",
-    "fast_cublas",
     "fast_sdpa",
     "hf_static",
     "hf_dynamic",
@@ -152,9 +150,8 @@ def run_fast(args: argparse.Namespace, model: Any, batch: int, mode: str) -> dic
         max_batch=batch,
         max_len=args.prompt_len + args.new_tokens,
         cuda_graphs=mode != "fast_eager",
-        compile_ops=mode in ("fast", "fast_cublas", "fast_sdpa"),
+        compile_ops=mode in ("fast", "fast_sdpa"),
         attention="sdpa" if mode == "fast_sdpa" else "auto",
-        split_k=mode != "fast_cublas",
     )
     engine = FastEngine(model, cfg, device=args.device)
     ids, mask = prompts(args, batch, model.config.vocab_size)
@@ -174,7 +171,6 @@ def run_fast(args: argparse.Namespace, model: Any, batch: int, mode: str) -> dic
         "graphs": len(engine._graphs),
         "compiled_ops": engine.compiled_ops,
         "attention": engine.attention,
-        "split_k": engine.split_k,
     }
     if batch == args.batches[0] and mode == "fast":
         out["check"] = correctness(args, model, engine)

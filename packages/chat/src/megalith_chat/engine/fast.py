@@ -1,9 +1,8 @@
 """A fast rollout engine for HF Llama / Qwen2 / Mistral decoders: static KV cache + CUDA graphs.
 
 The engine copies the model's weights into its own fused storage (:mod:`.fast_weights`) and runs
-its own forward (:mod:`.fast_ops`; on CUDA decode attention by the split-KV Triton kernel of
-:mod:`.fast_attention` and, for up to 64 rows, the attention output and MLP down projections by the
-split-K kernel of :mod:`.fast_linear`; SDPA and cuBLAS otherwise) against a preallocated cache
+its own forward (:mod:`.fast_ops`; decode attention by the split-KV Triton kernel of
+:mod:`.fast_attention` on CUDA, SDPA otherwise) against a preallocated cache
 
     ``k_cache, v_cache : [layers, max_batch, kv_heads, max_len, head_dim]``.
 
@@ -39,8 +38,6 @@ from torch import nn
 from megalith.common.errors import ConfigError
 from megalith_chat.engine import fast_ops
 from megalith_chat.engine.fast_attention import choose_attention, decode_attention
-from megalith_chat.engine.fast_linear import MAX_ROWS as SPLIT_K_ROWS
-from megalith_chat.engine.fast_linear import add_partials_rms_norm, splitk_linear, usable
 from megalith_chat.engine.fast_prologue import rope_store, rope_store_reference, supported
 from megalith_chat.engine.fast_state import DecodeState
 from megalith_chat.engine.fast_weights import EngineWeights, ModelShape, effective_weights, unwrap_peft
@@ -56,9 +53,8 @@ SyncHook = Callable[[torch.Tensor], Sequence[int]]
 class FastEngineConfig:
     """Sizes and switches; ``dtype=None`` means bfloat16 on CUDA and float32 on CPU.
 
-    ``cuda_graphs``, ``compile_ops`` (``torch.compile`` of the elementwise pieces),
-    ``fused_prologue`` (:mod:`.fast_prologue`) and ``split_k`` (:mod:`.fast_linear`, for batch
-    buckets of up to 64 rows) apply on CUDA only. ``sync_every``: decode steps between host checks (stop strings, all rows finished).
+    ``cuda_graphs``, ``compile_ops`` (``torch.compile`` of the elementwise pieces) and
+    ``fused_prologue`` (:mod:`.fast_prologue`) apply on CUDA only. ``sync_every``: decode steps between host checks (stop strings, all rows finished).
     """
 
     max_batch: int = 64
@@ -70,7 +66,6 @@ class FastEngineConfig:
     sync_every: int = 16
     attention: str = "auto"  # decode attention: "sdpa", "triton" (split-KV kernel), "auto" = triton on CUDA
     fused_prologue: bool = True  # CUDA: one Triton kernel splits QKV, applies RoPE and writes the cache
-    split_k: bool = True  # CUDA, <= 64 rows: split-K Triton kernels for the o and down projections
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_len < 2:
@@ -113,18 +108,11 @@ class FastEngine:
         self.compiled_ops = cuda and self.config.compile_ops
         self.attention = choose_attention(self.config.attention, self.device, self.shape.head_dim)
         self.fused_prologue = cuda and self.config.fused_prologue and supported(self.shape.head_dim)
-        self.split_k = cuda and self.config.split_k and self._split_k_works()
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
         self.scale = self.shape.head_dim**-0.5
         self.max_batch, self.max_len = 0, 0
         self.reserve(self.config.max_batch, self.config.max_len)
-
-    def _split_k_works(self) -> bool:
-        error = usable(self.device, self.dtype)
-        if error is not None:
-            logger.warning("split-K projection kernel unusable (%s); using cuBLAS", error)
-        return error is None
 
     # ---------------------------------------------------------------- storage
     def reserve(self, max_batch: int, max_len: int) -> None:
@@ -200,7 +188,6 @@ class FastEngine:
             st.tok[:b], st.slot, st.start[:b], w.embed, self._cos, self._sin, st.arange[:kv_len]
         )
         h = ops.rms_norm(x, w.ln1[0], s.eps)
-        split = self.split_k and b <= SPLIT_K_ROWS
         for i in range(s.layers):
             kc, vc = self.k_cache[i, :b], self.v_cache[i, :b]
             qkv = F.linear(h, w.wqkv[i], w.bqkv[i])
@@ -218,18 +205,9 @@ class FastEngine:
                 attn = F.scaled_dot_product_attention(
                     q, kc[:, :, :kv_len], vc[:, :, :kv_len], attn_mask=mask, scale=self.scale
                 )
-            attn, norm = attn.reshape(b, -1), w.ln1[i + 1] if i + 1 < s.layers else w.norm
-            if split:  # the partial sums are added up inside the residual add + norm kernel
-                x, h = add_partials_rms_norm(x, splitk_linear(attn, w.wo[i]), w.bo[i], w.ln2[i], s.eps)
-                gate_up = F.linear(h, w.wgu[i])
-                x, h = add_partials_rms_norm(
-                    x, splitk_linear(ops.silu_mul(gate_up), w.wd[i]), None, norm, s.eps
-                )
-            else:
-                x, h = ops.add_rms_norm(x, F.linear(attn, w.wo[i], w.bo[i]), w.ln2[i], s.eps)
-                x, h = ops.add_rms_norm(
-                    x, F.linear(ops.silu_mul(F.linear(h, w.wgu[i])), w.wd[i]), norm, s.eps
-                )
+            x, h = ops.add_rms_norm(x, F.linear(attn.reshape(b, -1), w.wo[i], w.bo[i]), w.ln2[i], s.eps)
+            m = F.linear(ops.silu_mul(F.linear(h, w.wgu[i])), w.wd[i])
+            x, h = ops.add_rms_norm(x, m, w.ln1[i + 1] if i + 1 < s.layers else w.norm, s.eps)
         self._emit(F.linear(h, w.lm_head), b, filtered)
 
     def _emit(self, logits: torch.Tensor, b: int, filtered: bool) -> None:

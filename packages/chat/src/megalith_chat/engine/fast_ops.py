@@ -35,18 +35,6 @@ def add_rms_norm(
     return s, rms_norm(s, weight, eps)
 
 
-def add_partials_rms_norm(
-    x: torch.Tensor, partials: torch.Tensor, bias: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`add_rms_norm` of a split-K projection's output: ``delta = sum_s partials[s] (+ bias)``
-    over float32 ``partials [S, b, hidden]``, rounded to ``x``'s dtype as a GEMM's output would be
-    (the reference of the engine's kernel, ``fast_linear.add_partials_rms_norm``)."""
-    delta = partials.sum(0)
-    if bias is not None:
-        delta = delta + bias.float()
-    return add_rms_norm(x, delta.to(x.dtype), weight, eps)
-
-
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``x cos + rotate_half(x) sin`` with ``rotate_half([a, b]) = [-b, a]`` over the last dim."""
     half = x.shape[-1] // 2
@@ -113,15 +101,7 @@ class Ops:
     def make(cls, compiled: bool) -> Ops:
         from megalith_chat.engine.sampling import sample_tokens
 
-        fns = (
-            rms_norm,
-            rotate,
-            add_rms_norm,
-            split_rope_decode,
-            silu_mul,
-            decode_prelude,
-            sample_tokens,
-        )
+        fns = (rms_norm, rotate, add_rms_norm, split_rope_decode, silu_mul, decode_prelude, sample_tokens)
         if compiled:
             fns = tuple(torch.compile(f, dynamic=True) for f in fns)  # type: ignore[assignment]
         return cls(*fns)
