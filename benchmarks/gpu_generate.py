@@ -6,8 +6,11 @@ new tokens, sampling at temperature 1 (no top-k/top-p), no EOS, so every row dec
 Each system runs in its own process (``--worker``); the main process measures the copy bandwidth
 and writes ``benchmarks/results/gpu_generate_h200.json``. ``fast`` is the engine's default
 configuration (split-KV Triton decode attention, compiled elementwise ops, fused decode prologue,
-CUDA graphs); ``fast_sdpa`` swaps in SDPA for the decode attention; ``fast_nocompile`` / ``fast_eager``
-drop the compiled ops / the graphs too.
+CUDA graphs). ``fast_grouped`` is the same engine on ``B / 8`` prompts of 8 samples each (GRPO's
+groups) given as ``generate(..., group=8)``: each prompt is prefilled once and its cache slots are
+read once per group; it also records ``unshared_tokens_per_s``, the same prompts without ``group``,
+in the same process. ``fast_sdpa`` swaps in SDPA for the decode attention; ``fast_nocompile`` /
+``fast_eager`` drop the compiled ops / the graphs too.
 
 Memory-bound floor (new tokens/s): a decode step must read every weight that takes part in it
 (all but the embedding table, of which only ``B`` rows are read) plus the KV cache of the mean
@@ -41,6 +44,7 @@ from _common import RESULTS, emit_result, environment, run_child
 
 SYSTEMS = (
     "fast",
+    "fast_grouped",
     "fast_sdpa",
     "hf_static",
     "hf_dynamic",
@@ -100,6 +104,9 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+GROUP = 8  # samples per prompt of fast_grouped (GRPO's default group size)
+
+
 def prompts(args: argparse.Namespace, batch: int, vocab: int) -> tuple[Any, Any]:
     import torch
 
@@ -150,18 +157,25 @@ def run_fast(args: argparse.Namespace, model: Any, batch: int, mode: str) -> dic
         max_batch=batch,
         max_len=args.prompt_len + args.new_tokens,
         cuda_graphs=mode != "fast_eager",
-        compile_ops=mode in ("fast", "fast_sdpa"),
+        compile_ops=mode in ("fast", "fast_grouped", "fast_sdpa"),
         attention="sdpa" if mode == "fast_sdpa" else "auto",
     )
     engine = FastEngine(model, cfg, device=args.device)
-    ids, mask = prompts(args, batch, model.config.vocab_size)
+    group = GROUP if mode == "fast_grouped" and batch % GROUP == 0 else 1
+    ids, mask = prompts(args, batch // group, model.config.vocab_size)
+    ids, mask = ids.repeat_interleave(group, 0), mask.repeat_interleave(group, 0)
     params = SamplingParams(args.new_tokens, temperature=1.0)
     t0 = time.perf_counter()
-    engine.generate(ids, mask, params)  # captures one graph per KV bucket (and compiles the ops)
+    engine.generate(ids, mask, params, group=group)  # captures one graph per KV bucket (and compiles)
     warm = time.perf_counter() - t0
-    seconds = timed(lambda: engine.generate(ids, mask, params), args.device, 3)
-    prefill = prefill_seconds(args, engine, ids, mask, params)
-    out = {
+    seconds = timed(lambda: engine.generate(ids, mask, params, group=group), args.device, 3)
+    prefill = prefill_seconds(args, engine, ids, mask, params, group)
+    out: dict[str, Any] = {"group": group, "members": engine._members(ids, mask, group, engine.bucket(batch))}
+    if group > 1:  # the same prompts without sharing, same process
+        engine.generate(ids, mask, params)
+        unshared = timed(lambda: engine.generate(ids, mask, params), args.device, 3)
+        out["unshared_tokens_per_s"] = batch * args.new_tokens / unshared
+    out |= {
         "batch": batch,
         "seconds": seconds,
         "prefill_s": prefill,
@@ -179,13 +193,16 @@ def run_fast(args: argparse.Namespace, model: Any, batch: int, mode: str) -> dic
     return out
 
 
-def prefill_seconds(args: argparse.Namespace, engine: Any, ids: Any, mask: Any, params: Any) -> float:
+def prefill_seconds(
+    args: argparse.Namespace, engine: Any, ids: Any, mask: Any, params: Any, group: int = 1
+) -> float:
     """Time of the prompt pass alone (cache fill + last-position logits), best of three: what a
-    ``generate`` spends before its first decode step."""
+    ``generate`` spends before its first decode step (one prompt per ``group`` rows when shared)."""
     st, b = engine.state, engine.bucket(ids.shape[0])
+    every = engine._members(ids, mask, group, b)
     start = st.prepare(ids, mask, b, params, (), 0)
     rows = st.prompt_rows(ids, b, 0)
-    return timed(lambda: engine._prefill(rows, start), args.device, 3)
+    return timed(lambda: engine._prefill(rows[::every], start[::every], every), args.device, 3)
 
 
 def decode_profile(args: argparse.Namespace, engine: Any, batch: int) -> dict[str, Any]:

@@ -271,3 +271,91 @@ def test_fused_decode_prologue_in_interpreter() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "SHAPE (3, 2, 2, 16) CHANGED 6 True" in proc.stdout  # rows 0-2 x 2 heads, slot 7 only
     assert float(proc.stdout.split("MAXERR")[1]) < 1e-6
+
+
+CHECK_SHARED_PROMPT = """
+import torch
+from megalith_chat.engine.fast_attention import decode_attention
+g = torch.Generator().manual_seed(0)
+q = torch.randn(4, 2, 3, 16, generator=g)
+k, v = (torch.randn(4, 2, 90, 16, generator=g) for _ in range(2))
+start, slot, end = torch.tensor([5, 5, 40, 40]), torch.tensor(70), torch.tensor(50)
+k_ref, v_ref = k.clone(), v.clone()
+for lead in (0, 2):  # a group's second row attends to its first row's prompt slots
+    k_ref[lead + 1, :, :50], v_ref[lead + 1, :, :50] = k[lead, :, :50], v[lead, :, :50]
+ar = torch.arange(90)
+mask = ((ar >= start[:, None]) & (ar <= slot))[:, None, None]
+sdpa = torch.nn.functional.scaled_dot_product_attention
+ref = sdpa(q, k_ref, v_ref, attn_mask=mask, scale=0.3)
+outs = [decode_attention(q, k, v, start, slot, 0.3, target_programs=t, members=2, prompt_end=end) for t in (12, 1)]
+own = sdpa(q, k, v, attn_mask=mask, scale=0.3)  # the rows' own (different) prompt slots
+print("READS_LEADER", float((outs[0] - own)[1::2].abs().max()) > 1e-2, float((outs[0] - own)[::2].abs().max()) < 1e-5)
+print("MAXERR", max(float((o - ref).abs().max()) for o in outs))
+"""
+
+
+def test_shared_prompt_decode_attention_in_interpreter() -> None:
+    """Rows in groups of 2 sharing a prompt (slots ``start .. prompt_end - 1``): the prompt slots
+    come from each group's first row, even where the second row's own slots differ, the rest from
+    each row's own cache; against SDPA on caches with the first row's prompt copied in (Triton
+    interpreter, 3 query heads per KV head, with and without splits of the key range)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", CHECK_SHARED_PROMPT], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "READS_LEADER True True" in proc.stdout
+    assert float(proc.stdout.split("MAXERR")[1]) < 1e-5
+
+
+CHECK_SHARED_ENGINE = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from megalith_chat.engine.fast import FastEngine, FastEngineConfig
+from megalith_chat.engine.sampling import SamplingParams
+cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=64, max_position_embeddings=128, pad_token_id=0,
+                  bos_token_id=None, eos_token_id=None)
+cfg._attn_implementation = "sdpa"
+torch.manual_seed(0)
+model = LlamaForCausalLM(cfg).eval()
+engine = FastEngine(model, FastEngineConfig(max_batch=8, max_len=24, attention="triton"), device="cpu")
+ids = torch.randint(1, 64, (3, 5), generator=torch.Generator().manual_seed(1))
+mask = torch.ones_like(ids)
+mask[0, :2] = 0
+ids, mask = ids.masked_fill(mask == 0, 0).repeat_interleave(2, 0), mask.repeat_interleave(2, 0)
+params = SamplingParams(8, temperature=1.0)
+outs = [engine.generate(ids, mask, params, generator=torch.Generator().manual_seed(2), group=grp) for grp in (2, 1)]
+print("ATTENTION", engine.attention, "MEMBERS", engine._members(ids, mask, 2, 6))
+print("TOKENS_EQUAL", torch.equal(outs[0].tokens, outs[1].tokens))
+print("MAXERR", float((outs[0].logprobs - outs[1].logprobs).abs().max()))
+"""
+
+
+def test_engine_shares_group_prompts() -> None:
+    """A sampled ``generate`` of 3 prompts x 2 samples with ``group=2`` (each prompt prefilled once,
+    its cache slots read once per group: Triton attention in the interpreter, CPU) gives the tokens
+    of the unshared call, log-probs within the engine's 1e-5 (the first call leaves the second rows'
+    prompt slots unwritten)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", CHECK_SHARED_ENGINE], capture_output=True, text=True, env=env, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "ATTENTION triton MEMBERS 2" in proc.stdout
+    assert "TOKENS_EQUAL True" in proc.stdout
+    assert float(proc.stdout.split("MAXERR")[1]) < TOL
+
+
+def test_bad_groups_rejected(engine: FastEngine) -> None:
+    ids, mask = left_padded()
+    params = SamplingParams(2)
+    with pytest.raises(ConfigError, match="divide the batch of 3 rows, got 2"):
+        engine.generate(ids, mask, params, group=2)
+    pair = torch.cat([ids[:1], ids[:1], ids[1:2], ids[2:3]])
+    pair_mask = torch.cat([mask[:1], mask[:1], mask[1:2], mask[2:3]])
+    with pytest.raises(ConfigError, match="prompt_ids row 3 differs from row 2, the first of its group of 2"):
+        engine.generate(pair, pair_mask, params, group=2)
+    assert engine._members(pair[:2], pair_mask[:2], 2, 2) == 1  # SDPA attention (CPU): nothing shared

@@ -66,6 +66,7 @@ class FastEngineConfig:
     sync_every: int = 16
     attention: str = "auto"  # decode attention: "sdpa", "triton" (split-KV kernel), "auto" = triton on CUDA
     fused_prologue: bool = True  # CUDA: one Triton kernel splits QKV, applies RoPE and writes the cache
+    share_prompts: bool = True  # Triton attention: a group's shared prompt is prefilled and read once
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_len < 2:
@@ -108,7 +109,7 @@ class FastEngine:
         self.compiled_ops = cuda and self.config.compile_ops
         self.attention = choose_attention(self.config.attention, self.device, self.shape.head_dim)
         self.fused_prologue = cuda and self.config.fused_prologue and supported(self.shape.head_dim)
-        self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, int, bool, int], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
         self.scale = self.shape.head_dim**-0.5
         self.max_batch, self.max_len = 0, 0
@@ -148,8 +149,9 @@ class FastEngine:
         return self.weights.load(named)
 
     # ---------------------------------------------------------------- forward
-    def _prefill(self, ids: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-        """Fill cache slots ``0..P-1`` of rows ``0..b-1``; returns last-position logits ``[b, V]``."""
+    def _prefill(self, ids: torch.Tensor, start: torch.Tensor, every: int = 1) -> torch.Tensor:
+        """Fill cache slots ``0..P-1`` of cache rows ``0, every, .., (b-1)·every`` from ``ids [b, P]``;
+        returns last-position logits ``[b, V]``."""
         w, s, ops = self.weights, self.shape, self.ops
         b, p = ids.shape
         ar = torch.arange(p, device=self.device)
@@ -169,8 +171,8 @@ class FastEngine:
             q = ops.rotate(q.view(b, p, s.heads, s.head_dim).transpose(1, 2), cos, sin)
             k = ops.rotate(k.view(b, p, s.kv_heads, s.head_dim).transpose(1, 2), cos, sin)
             v = v.view(b, p, s.kv_heads, s.head_dim).transpose(1, 2)
-            self.k_cache[i, :b, :, :p] = k
-            self.v_cache[i, :b, :, :p] = v
+            self.k_cache[i, : b * every : every, :, :p] = k
+            self.v_cache[i, : b * every : every, :, :p] = v
             group = s.heads // s.kv_heads
             if group > 1:
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -181,7 +183,7 @@ class FastEngine:
             x, h = ops.add_rms_norm(x, m, w.ln1[i + 1] if i + 1 < s.layers else w.norm, s.eps)
         return F.linear(h[:, -1], w.lm_head)
 
-    def _decode_body(self, b: int, kv_len: int, filtered: bool) -> None:
+    def _decode_body(self, b: int, kv_len: int, filtered: bool, members: int = 1) -> None:
         """One decode step over static buffers (the graph-captured unit; see module doc)."""
         w, s, st, ops = self.weights, self.shape, self.state, self.ops
         x, cos, sin, mask = ops.decode_prelude(
@@ -199,7 +201,14 @@ class FastEngine:
                 )
             if self.attention == "triton":
                 attn = decode_attention(
-                    q, kc[:, :, :kv_len], vc[:, :, :kv_len], st.start[:b], st.slot, self.scale
+                    q,
+                    kc[:, :, :kv_len],
+                    vc[:, :, :kv_len],
+                    st.start[:b],
+                    st.slot,
+                    self.scale,
+                    members=members,
+                    prompt_end=st.prompt_end,
                 )
             else:
                 attn = F.scaled_dot_product_attention(
@@ -227,17 +236,17 @@ class FastEngine:
         st.ridx.add_(1)
 
     # ---------------------------------------------------------------- graphs
-    def _step(self, b: int, kv_len: int, filtered: bool) -> None:
+    def _step(self, b: int, kv_len: int, filtered: bool, members: int = 1) -> None:
         if not self.use_graphs:
-            self._decode_body(b, kv_len, filtered)
+            self._decode_body(b, kv_len, filtered, members)
             return
-        key = (b, kv_len, filtered)
+        key = (b, kv_len, filtered, members)
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._capture(key)
         graph.replay()
 
-    def _warm_up(self, key: tuple[int, int, bool]) -> None:
+    def _warm_up(self, key: tuple[int, int, bool, int]) -> None:
         """Run the step once on a side stream (compiles the ops), then restore the counters."""
         st = self.state
         saved = [t.clone() for t in (st.tok, st.slot, st.ridx, st.done)]
@@ -262,7 +271,7 @@ class FastEngine:
         logger.warning("compiled engine ops failed (%s); falling back to eager ops", exc)
         self.ops, self.compiled_ops = fast_ops.Ops.make(False), False
 
-    def _capture(self, key: tuple[int, int, bool]) -> torch.cuda.CUDAGraph:
+    def _capture(self, key: tuple[int, int, bool, int]) -> torch.cuda.CUDAGraph:
         self._warm_up(key)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -270,7 +279,7 @@ class FastEngine:
         with torch.cuda.graph(graph, pool=self._pool):
             self._decode_body(*key)
         self._graphs[key] = graph
-        logger.debug("captured decode graph batch=%d kv_len=%d filtered=%s", *key)
+        logger.debug("captured decode graph batch=%d kv_len=%d filtered=%s members=%d", *key)
         return graph
 
     def bucket(self, batch: int) -> int:
@@ -299,25 +308,33 @@ class FastEngine:
         pad_id: int = 0,
         generator: torch.Generator | None = None,
         on_sync: SyncHook | None = None,
+        group: int = 1,
     ) -> EngineOutput:
         """Decode up to ``params.max_new_tokens`` tokens for left-padded ``prompt_ids [B, P]``.
 
         ``generator`` (on the engine's device) drives the sampling noise. ``on_sync(tokens [B, n])``
         (CPU tokens so far) is called every ``sync_every`` steps and returns rows to finish (stop
         strings); rows also finish at any of ``eos_ids``; all finished ends the loop early.
+        ``group``: the rows come in runs of ``group`` identical prompts (GRPO's samples of one
+        prompt; checked); with the Triton attention and ``share_prompts``, each run's prompt is
+        prefilled once and its cache slots are read once per decode step for the whole run.
         """
         batch, width = prompt_ids.shape
         self._check(batch, width, params)
         b = self.bucket(batch)
+        members = self._members(prompt_ids, prompt_mask, group, b)
         st = self.state
         start = st.prepare(prompt_ids, prompt_mask, b, params, eos_ids, pad_id)
         rows = st.prompt_rows(prompt_ids, b, pad_id)
+        leaders = (rows[::members], start[::members], members)
         try:
-            logits = self._prefill(rows, start)
+            logits = self._prefill(*leaders)
         except RuntimeError as exc:
             self._drop_compiled(exc)
-            logits = self._prefill(rows, start)
+            logits = self._prefill(*leaders)
+        logits = logits.repeat_interleave(members, 0) if members > 1 else logits
         st.slot.fill_(width - 1)
+        st.prompt_end.fill_(width)
         sampling = not params.greedy
         if sampling:
             st.noise[:b].exponential_(generator=generator)
@@ -328,7 +345,7 @@ class FastEngine:
             if sampling:
                 st.noise[:b].exponential_(generator=generator)
             kv_len = min(-(-(width + k) // self.config.kv_block) * self.config.kv_block, self.max_len)
-            self._step(b, kv_len, params.filtered)
+            self._step(b, kv_len, params.filtered, members)
             if watch and (k % self.config.sync_every == 0) and self._all_done(batch, k + 1, on_sync):
                 steps = k + 1
                 break
@@ -337,6 +354,27 @@ class FastEngine:
         # copy=True: on a CPU engine .cpu() would alias the buffers the next call overwrites
         tokens = st.out_tok[:batch, :steps].to("cpu", copy=True)
         return EngineOutput(tokens, st.out_lp[:batch, :steps].to("cpu", torch.float32, copy=True))
+
+    def _members(self, ids: torch.Tensor, mask: torch.Tensor, group: int, rows: int) -> int:
+        """Rows per shared prompt in this call: ``group`` if it is used (see :meth:`generate`), else 1.
+
+        The ``rows - B`` dummy rows of the batch bucket share one prompt too, so they must also come
+        in whole groups; otherwise the call runs unshared."""
+        batch = ids.shape[0]
+        if group < 1 or batch % group:
+            raise ConfigError(f"group must be >= 1 and divide the batch of {batch} rows, got {group}")
+        if group == 1:
+            return 1
+        for name, t in (("prompt_ids", ids), ("prompt_mask", mask)):
+            runs = t.reshape(batch // group, group, -1)
+            differ = (runs != runs[:, :1]).flatten(2).any(-1).flatten().nonzero()
+            if len(differ):
+                row = int(differ[0])
+                raise ConfigError(
+                    f"{name} row {row} differs from row {row - row % group}, the first of its group of {group}"
+                )
+        usable = self.attention == "triton" and self.config.share_prompts and (rows - batch) % group == 0
+        return group if usable else 1
 
     def _all_done(self, batch: int, steps: int, on_sync: SyncHook | None) -> bool:
         st = self.state

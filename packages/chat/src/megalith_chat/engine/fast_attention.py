@@ -32,21 +32,24 @@ BLOCK_N = 32  # keys per loop step; with LAUNCH the fastest of a sweep on the H2
 LAUNCH = {"num_warps": 2, "num_stages": 3}
 
 
-def make_kernels() -> tuple[Any, Any]:
-    """Fresh ``(partial, combine)`` Triton kernels (reads ``TRITON_INTERPRET`` now)."""
+def make_kernels() -> tuple[Any, Any, Any]:  # noqa: PLR0915  (the kernels' bodies)
+    """Fresh ``(partial, combine, prefix_partial)`` Triton kernels (reads ``TRITON_INTERPRET`` now)."""
     import triton
     import triton.language as tl
 
     @triton.jit
     def partial(q_ptr, k_ptr, v_ptr, start_ptr, slot_ptr, m_ptr, l_ptr, a_ptr,
                 sk_b, sk_h, sk_t, kv_heads, kv_len, split_len, num_splits, scale,
-                o_ptr, G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                PREC: tl.constexpr, DIRECT: tl.constexpr):  # fmt: skip
+                o_ptr, pend_ptr, split_offset, G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr,
+                BN: tl.constexpr, PREC: tl.constexpr, DIRECT: tl.constexpr,
+                SUFFIX: tl.constexpr):  # fmt: skip
         bh = tl.program_id(0)
         sp = tl.program_id(1)
         b = bh // kv_heads
         h = bh % kv_heads
         first = tl.load(start_ptr + b)
+        if SUFFIX:  # the shared prompt is prefix_partial's: only slots from the prompt's end on
+            first = tl.maximum(first, tl.load(pend_ptr))
         last = tl.load(slot_ptr)
         g = tl.arange(0, BG)
         d = tl.arange(0, D)
@@ -76,10 +79,52 @@ def make_kernels() -> tuple[Any, Any]:
             dst = o_ptr + (bh * G + g[:, None]) * D + d[None, :]
             tl.store(dst, out.to(o_ptr.dtype.element_ty), mask=g[:, None] < G)
         else:
-            row = (bh * num_splits + sp) * BG + g
+            row = (bh * num_splits + split_offset + sp) * BG + g
             tl.store(m_ptr + row, m_i)
             tl.store(l_ptr + row, l_i)
             tl.store(a_ptr + row[:, None] * D + d[None, :], acc)
+
+    @triton.jit
+    def prefix_partial(q_ptr, k_ptr, v_ptr, start_ptr, pend_ptr, m_ptr, l_ptr, a_ptr,
+                       sk_b, sk_h, sk_t, kv_heads, split_len, num_splits, scale,
+                       G: tl.constexpr, R: tl.constexpr, BQ: tl.constexpr, BG: tl.constexpr,
+                       D: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+        # program (group x key/value head, split): the R rows of a group share their prompt, so
+        # its keys are read once, from the group's first row, for all R x G query rows
+        gh = tl.program_id(0)
+        sp = tl.program_id(1)
+        lead = (gh // kv_heads) * R
+        h = gh % kv_heads
+        first = tl.load(start_ptr + lead)
+        qi = tl.arange(0, BQ)
+        live = qi < R * G
+        row = lead + qi // G  # query row qi: head qi % G of member qi // G
+        src = (row * kv_heads + h) * G + qi % G
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + src[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+        m_i = tl.full([BQ], -1e30, tl.float32)
+        l_i = tl.zeros([BQ], tl.float32)
+        acc = tl.zeros([BQ, D], tl.float32)
+        base = lead * sk_b + h * sk_h
+        lo = sp * split_len
+        hi = tl.minimum(lo + split_len, tl.load(pend_ptr))
+        for n0 in range(tl.maximum(lo, first // BN * BN), hi, BN):
+            n = n0 + tl.arange(0, BN)
+            ok = (n >= first) & (n < hi)
+            offs = base + n[:, None] * sk_t + d[None, :]
+            k = tl.load(k_ptr + offs, mask=ok[:, None], other=0.0)
+            v = tl.load(v_ptr + offs, mask=ok[:, None], other=0.0)
+            z = tl.where(ok[None, :], tl.dot(q, tl.trans(k), input_precision=PREC) * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(z, axis=1))
+            p = tl.exp(z - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
+        dst = ((row * kv_heads + h) * num_splits + sp) * BG + qi % G  # the row's own partial slots
+        tl.store(m_ptr + dst, m_i, mask=live)
+        tl.store(l_ptr + dst, l_i, mask=live)
+        tl.store(a_ptr + dst[:, None] * D + d[None, :], acc, mask=live[:, None])
 
     @triton.jit
     def combine(m_ptr, l_ptr, a_ptr, o_ptr, num_splits,
@@ -103,11 +148,11 @@ def make_kernels() -> tuple[Any, Any]:
             mask=g[:, None] < G,
         )
 
-    return partial, combine
+    return partial, combine, prefix_partial
 
 
 @cache
-def _kernels() -> tuple[Any, Any]:
+def _kernels() -> tuple[Any, Any, Any]:
     return make_kernels()
 
 
@@ -118,10 +163,12 @@ def decode_attention(
     start: torch.Tensor,
     slot: torch.Tensor,
     scale: float,
-    kernels: tuple[Any, Any] | None = None,
+    kernels: tuple[Any, Any, Any] | None = None,
     target_programs: int = 512,
     block_n: int = BLOCK_N,
     launch: dict[str, int] | None = None,
+    members: int = 1,
+    prompt_end: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q [b, KV, G, D]`` (contiguous), ``k, v [b, KV, >=kv_len, D]`` (last dim contiguous, same
     strides), ``start [b]``, ``slot`` 0-d -> ``[b, KV, G, D]`` attention output (see module doc).
@@ -132,31 +179,54 @@ def decode_attention(
     0.37B shape, 256 cached slots of which 201 valid, repeated calls, so partly L2-resident): at
     batch 64 14.6 µs per layer against 19.9 µs for 64-key blocks with 4 warps; at batch 256 56 vs
     58 µs. Inside the decode step: about 21 µs per layer (cuDNN's SDPA: 26).
+
+    ``members > 1``: rows ``r·members .. (r+1)·members - 1`` are the samples of one prompt (GRPO's
+    group), identical in cache slots ``start .. prompt_end - 1`` (0-d ``prompt_end``). Those slots
+    are then read once per group, from its first row, by ``prefix_partial``; ``partial`` reads each
+    row's own slots from ``prompt_end`` on, and ``combine`` merges both (see module doc).
     """
     import triton
 
-    partial, combine = kernels or _kernels()
+    partial, combine, prefix_partial = kernels or _kernels()
     b, kv_heads, group, dim = q.shape
     kv_len = k.shape[2]
+    shared = members > 1
+    if shared and (prompt_end is None or b % members):
+        raise ValueError(f"decode_attention: {b} rows do not form groups of {members} with a prompt_end")
+
+    def layout(programs: int) -> tuple[int, int]:  # (splits, keys per split) of the kv_len slots
+        splits = max(1, min(triton.cdiv(kv_len, block_n), triton.cdiv(target_programs, programs)))
+        split_len = triton.cdiv(triton.cdiv(kv_len, splits), block_n) * block_n
+        return triton.cdiv(kv_len, split_len), split_len
+
     bg = max(triton.next_power_of_2(group), 16)  # tl.dot needs 16 rows
-    splits = max(1, min(triton.cdiv(kv_len, block_n), triton.cdiv(target_programs, b * kv_heads)))
-    split_len = triton.cdiv(triton.cdiv(kv_len, splits), block_n) * block_n
-    splits = triton.cdiv(kv_len, split_len)
-    direct = splits == 1
-    parts = 0 if direct else b * kv_heads * splits * bg
+    splits, split_len = layout(b * kv_heads)
+    first_splits, first_len = layout(b // members * kv_heads) if shared else (0, 0)
+    total = first_splits + splits
+    direct = total == 1
+    parts = 0 if direct else b * kv_heads * total * bg
     m = torch.empty(parts, device=q.device, dtype=torch.float32)
     lsum = torch.empty_like(m)
     acc = torch.empty(parts, dim, device=q.device, dtype=torch.float32)
     out = torch.empty_like(q)
     sk = k.stride()
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    options = LAUNCH if launch is None else launch
+    end = prompt_end if prompt_end is not None else slot
+    if shared:
+        prefix_partial[(b // members * kv_heads, first_splits)](
+            q, k, v, start, end, m, lsum, acc, sk[0], sk[1], sk[2], kv_heads, first_len, total, scale,
+            G=group, R=members, BQ=max(triton.next_power_of_2(members * group), 16), BG=bg, D=dim,
+            BN=block_n, PREC=prec, **options,
+        )  # fmt: skip
     partial[(b * kv_heads, splits)](
-        q, k, v, start, slot, m, lsum, acc, sk[0], sk[1], sk[2], kv_heads, kv_len, split_len, splits, scale,
-        out, G=group, BG=bg, D=dim, BN=block_n, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        DIRECT=direct, **(LAUNCH if launch is None else launch),
+        q, k, v, start, slot, m, lsum, acc, sk[0], sk[1], sk[2], kv_heads, kv_len, split_len, total, scale,
+        out, end, first_splits, G=group, BG=bg, D=dim, BN=block_n, PREC=prec, DIRECT=direct, SUFFIX=shared,
+        **options,
     )  # fmt: skip
     if not direct:
         combine[(b * kv_heads,)](
-            m, lsum, acc, out, splits, G=group, BG=bg, D=dim, BS=max(triton.next_power_of_2(splits), 2)
+            m, lsum, acc, out, total, G=group, BG=bg, D=dim, BS=max(triton.next_power_of_2(total), 2)
         )
     return out
 

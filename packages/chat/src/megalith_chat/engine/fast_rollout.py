@@ -109,7 +109,7 @@ class FastGenerator:
         self.engine.reserve(ids.shape[0], ids.shape[1] + params.max_new_tokens)
         eos, pad = eos_token_ids(tokenizer, model), pad_token_id(tokenizer)
         stops = StopStrings(tokenizer, self.stop, ids.shape[0]) if self.stop else None
-        out = self.engine.generate(ids, mask, params, eos, pad, self.generator, stops)
+        out = self.engine.generate(ids, mask, params, eos, pad, self.generator, stops, group=group_size)
         return _assemble((ids, mask), out, eos, pad, tokenizer, stops, response_prefix)
 
 

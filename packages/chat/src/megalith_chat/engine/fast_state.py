@@ -21,6 +21,7 @@ class DecodeState:
 
     * ``tok [B]`` next input token; ``start [B]`` first prompt slot of each row (left padding);
     * ``slot`` (0-d) cache slot of ``tok``; ``ridx`` (0-d) output column of the next sample;
+      ``prompt_end`` (0-d) the prompt width ``P`` (where rows sharing a prompt start to differ);
     * ``inv_t, top_p [B, 1]`` float, ``top_k [B, 1]`` long, ``greedy [B]`` bool, ``noise [B, V]``;
     * ``done [B]`` bool; ``out_tok [B, max_len]`` long and ``out_lp [B, max_len]`` float32.
     """
@@ -31,6 +32,7 @@ class DecodeState:
         self.start = torch.zeros(b, dtype=torch.long, **kw)  # type: ignore[arg-type]
         self.slot = torch.zeros((), dtype=torch.long, **kw)  # type: ignore[arg-type]
         self.ridx = torch.zeros((), dtype=torch.long, **kw)  # type: ignore[arg-type]
+        self.prompt_end = torch.zeros((), dtype=torch.long, **kw)  # type: ignore[arg-type]
         self.pad = torch.zeros((), dtype=torch.long, **kw)  # type: ignore[arg-type]
         self.eos = torch.full((MAX_EOS,), -1, dtype=torch.long, **kw)  # type: ignore[arg-type]
         self.inv_t = torch.ones(b, 1, **kw)  # type: ignore[arg-type]
