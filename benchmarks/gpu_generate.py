@@ -6,9 +6,9 @@ new tokens, sampling at temperature 1 (no top-k/top-p), no EOS, so every row dec
 Each system runs in its own process (``--worker``); the main process measures the copy bandwidth
 and writes ``benchmarks/results/gpu_generate_h200.json``. ``fast`` is the engine's default
 configuration (split-KV Triton decode attention, compiled elementwise ops, fused decode prologue,
-CUDA graphs). ``fast_grouped`` is the same engine on ``B / 8`` prompts of 8 samples each (GRPO's
-groups) given as ``generate(..., group=8)``: each prompt is prefilled once and its cache slots are
-read once per group; it also records ``unshared_tokens_per_s``, the same prompts without ``group``,
+CUDA graphs). ``fast_grouped`` is the same engine with ``share_prompts=True`` on ``B / 8`` prompts of
+8 samples each (GRPO's groups) given as ``generate(..., group=8)``: each prompt is prefilled once and
+its cache slots are read once per group; it also records ``unshared_tokens_per_s``, the same prompts without ``group``,
 in the same process. ``fast_sdpa`` swaps in SDPA for the decode attention; ``fast_nocompile`` /
 ``fast_eager`` drop the compiled ops / the graphs too.
 
@@ -159,6 +159,7 @@ def run_fast(args: argparse.Namespace, model: Any, batch: int, mode: str) -> dic
         cuda_graphs=mode != "fast_eager",
         compile_ops=mode in ("fast", "fast_grouped", "fast_sdpa"),
         attention="sdpa" if mode == "fast_sdpa" else "auto",
+        share_prompts=mode == "fast_grouped",
     )
     engine = FastEngine(model, cfg, device=args.device)
     group = GROUP if mode == "fast_grouped" and batch % GROUP == 0 else 1

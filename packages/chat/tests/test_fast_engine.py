@@ -320,7 +320,8 @@ cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num
 cfg._attn_implementation = "sdpa"
 torch.manual_seed(0)
 model = LlamaForCausalLM(cfg).eval()
-engine = FastEngine(model, FastEngineConfig(max_batch=8, max_len=24, attention="triton"), device="cpu")
+config = FastEngineConfig(max_batch=8, max_len=24, attention="triton", share_prompts=True)
+engine = FastEngine(model, config, device="cpu")
 ids = torch.randint(1, 64, (3, 5), generator=torch.Generator().manual_seed(1))
 mask = torch.ones_like(ids)
 mask[0, :2] = 0
@@ -358,4 +359,4 @@ def test_bad_groups_rejected(engine: FastEngine) -> None:
     pair_mask = torch.cat([mask[:1], mask[:1], mask[1:2], mask[2:3]])
     with pytest.raises(ConfigError, match="prompt_ids row 3 differs from row 2, the first of its group of 2"):
         engine.generate(pair, pair_mask, params, group=2)
-    assert engine._members(pair[:2], pair_mask[:2], 2, 2) == 1  # SDPA attention (CPU): nothing shared
+    assert engine._members(pair[:2], pair_mask[:2], 2, 2) == 1  # default config: nothing shared

@@ -37,7 +37,7 @@ from torch import nn
 
 from megalith.common.errors import ConfigError
 from megalith_chat.engine import fast_ops
-from megalith_chat.engine.fast_attention import choose_attention, decode_attention
+from megalith_chat.engine.fast_attention import choose_attention, decode_attention, shared_prompts_error
 from megalith_chat.engine.fast_prologue import rope_store, rope_store_reference, supported
 from megalith_chat.engine.fast_state import DecodeState
 from megalith_chat.engine.fast_weights import EngineWeights, ModelShape, effective_weights, unwrap_peft
@@ -66,7 +66,7 @@ class FastEngineConfig:
     sync_every: int = 16
     attention: str = "auto"  # decode attention: "sdpa", "triton" (split-KV kernel), "auto" = triton on CUDA
     fused_prologue: bool = True  # CUDA: one Triton kernel splits QKV, applies RoPE and writes the cache
-    share_prompts: bool = True  # Triton attention: a group's shared prompt is prefilled and read once
+    share_prompts: bool = False  # Triton attention: a group's prompt is prefilled and read once (opt-in)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_len < 2:
@@ -109,11 +109,20 @@ class FastEngine:
         self.compiled_ops = cuda and self.config.compile_ops
         self.attention = choose_attention(self.config.attention, self.device, self.shape.head_dim)
         self.fused_prologue = cuda and self.config.fused_prologue and supported(self.shape.head_dim)
+        self.share_prompts = self.config.share_prompts and self._sharing_works()
         self._graphs: dict[tuple[int, int, bool, int], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
         self.scale = self.shape.head_dim**-0.5
         self.max_batch, self.max_len = 0, 0
         self.reserve(self.config.max_batch, self.config.max_len)
+
+    def _sharing_works(self) -> bool:
+        if self.attention != "triton":
+            return False
+        error = shared_prompts_error(self.device, self.shape.head_dim)
+        if error is not None:
+            logger.warning("shared-prompt decode attention unusable (%s); prompts are not shared", error)
+        return error is None
 
     # ---------------------------------------------------------------- storage
     def reserve(self, max_batch: int, max_len: int) -> None:
@@ -316,8 +325,9 @@ class FastEngine:
         (CPU tokens so far) is called every ``sync_every`` steps and returns rows to finish (stop
         strings); rows also finish at any of ``eos_ids``; all finished ends the loop early.
         ``group``: the rows come in runs of ``group`` identical prompts (GRPO's samples of one
-        prompt; checked); with the Triton attention and ``share_prompts``, each run's prompt is
-        prefilled once and its cache slots are read once per decode step for the whole run.
+        prompt; checked); with the Triton attention and ``share_prompts`` (opt-in until measured on
+        a GPU), each run's prompt is prefilled once and its cache slots are read once per decode
+        step for the whole run.
         """
         batch, width = prompt_ids.shape
         self._check(batch, width, params)
@@ -373,8 +383,7 @@ class FastEngine:
                 raise ConfigError(
                     f"{name} row {row} differs from row {row - row % group}, the first of its group of {group}"
                 )
-        usable = self.attention == "triton" and self.config.share_prompts and (rows - batch) % group == 0
-        return group if usable else 1
+        return group if self.share_prompts and (rows - batch) % group == 0 else 1
 
     def _all_done(self, batch: int, steps: int, on_sync: SyncHook | None) -> bool:
         st = self.state

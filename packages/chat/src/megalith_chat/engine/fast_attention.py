@@ -12,6 +12,12 @@ p.v run as tensor-core dots (the elementwise-product-and-reduce form compiled to
 shuffles and ~35 barriers per key block); the loop visits only the blocks that hold valid slots
 (``start`` to ``slot``), not the whole static cache.
 
+Rows that are samples of one prompt (GRPO's group of ``R`` rows, identical in slots ``start`` to
+``prompt_end - 1``) can share those slots: ``prefix_partial`` (grid ``groups*KV x S'``) puts the
+group's ``R*G`` query rows against its first row's prompt slots, reading them once for the group,
+and writes each row's partials; ``partial`` then covers each row's own slots from ``prompt_end``
+on, and the combine pass merges both sets.
+
 Kernels are built lazily by :func:`make_kernels` (``TRITON_INTERPRET=1`` then runs them on the
 CPU, which is how the tests check them); :func:`decode_attention` is the entry point.
 """
@@ -250,8 +256,15 @@ def choose_attention(requested: str, device: torch.device, head_dim: int) -> str
     return "sdpa"
 
 
-def _self_check(device: torch.device, head_dim: int) -> str | None:
-    """None if the kernel matches SDPA (fp32, 1e-4) on a small random problem, else why not."""
+def shared_prompts_error(device: torch.device, head_dim: int) -> str | None:
+    """None if the shared-prompt path (``members > 1``) passes its self-check here, else why not."""
+    return _self_check(device, head_dim, members=2)
+
+
+def _self_check(device: torch.device, head_dim: int, members: int = 1) -> str | None:
+    """None if the kernel matches SDPA (fp32, 1e-4) on a small random problem, else why not.
+    With ``members = 2`` the two rows share a prompt: the reference gives the second row the first
+    row's prompt slots."""
     try:
         import triton
 
@@ -265,11 +278,15 @@ def _self_check(device: torch.device, head_dim: int) -> str | None:
         return repr(exc)
     gen = torch.Generator(device="cpu").manual_seed(0)
     q, k, v = (torch.randn(2, 2, 2, s, head_dim, generator=gen)[0].to(device) for s in (2, 70, 70))
-    start, slot = torch.tensor([0, 9], device=device), torch.tensor(60, device=device)
+    start = torch.tensor([0, 9] if members == 1 else [9, 9], device=device)
+    slot, end = torch.tensor(60, device=device), torch.tensor(30, device=device)
     try:
-        out = decode_attention(q, k, v, start, slot, 0.125)
+        out = decode_attention(q, k, v, start, slot, 0.125, members=members, prompt_end=end)
     except errors as exc:
         return repr(exc)
+    if members > 1:
+        k, v = k.clone(), v.clone()
+        k[1, :, :30], v[1, :, :30] = k[0, :, :30], v[0, :, :30]
     ar = torch.arange(70, device=device)
     mask = ((ar >= start[:, None]) & (ar <= slot))[:, None, None]
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125)
