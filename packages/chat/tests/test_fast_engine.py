@@ -360,3 +360,17 @@ def test_bad_groups_rejected(engine: FastEngine) -> None:
     with pytest.raises(ConfigError, match="prompt_ids row 3 differs from row 2, the first of its group of 2"):
         engine.generate(pair, pair_mask, params, group=2)
     assert engine._members(pair[:2], pair_mask[:2], 2, 2) == 1  # default config: nothing shared
+
+
+def test_share_prompts_from_the_cli(model: LlamaForCausalLM) -> None:
+    """``chat-train grpo --share-prompts`` reaches the producers' engine config (off by default); on
+    CPU the engine runs SDPA attention, so nothing is shared there."""
+    from megalith_chat.cli import build_parser
+    from megalith_chat.commands import grpo_config
+    from megalith_chat.engine.fast_rollout import make_fast_generator
+
+    parser = build_parser()
+    on = grpo_config(parser.parse_args(["grpo", "--share-prompts"]))
+    assert on.engine.share_prompts and not grpo_config(parser.parse_args(["grpo"])).engine.share_prompts
+    fast = make_fast_generator(model, "fast", seed=0, share_prompts=on.engine.share_prompts)
+    assert fast is not None and fast.engine.config.share_prompts and not fast.engine.share_prompts

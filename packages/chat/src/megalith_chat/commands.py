@@ -161,6 +161,12 @@ def add_grpo_parser(sub: Any) -> None:
         "README), 'auto' = fast when CUDA is available, else hf (default: auto)",
     )
     p.add_argument(
+        "--share-prompts",
+        action="store_true",
+        help="fast engine on CUDA: prefill each prompt once per group of G samples and read its KV "
+        "cache once per group in every decode step (opt-in, see the README; default: off)",
+    )
+    p.add_argument(
         "--advantage",
         choices=["grpo", "dr_grpo", "rloo"],
         default="grpo",
@@ -300,6 +306,7 @@ def grpo_config(args: argparse.Namespace) -> Any:
             num_cpus=args.num_cpus,
             threads_per_actor=args.threads_per_actor,
             rollout_engine=args.rollout_engine,
+            share_prompts=args.share_prompts,
             startup_timeout_s=t,
             rollout_timeout_s=t,
             step_timeout_s=t,

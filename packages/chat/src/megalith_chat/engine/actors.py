@@ -88,6 +88,7 @@ class ProducerActor:
             run.engine.rollout_engine,
             "bfloat16" if run.precision.startswith("bf16") else None,
             run.seed,
+            share_prompts=run.engine.share_prompts,
         )
         self.worker = RolloutWorker(
             self.model, self.tokenizer, stream, reward, run.rollout, producer_id, generate_fn=self.fast

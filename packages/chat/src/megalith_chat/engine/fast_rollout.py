@@ -142,14 +142,15 @@ def _assemble(
 
 
 def make_fast_generator(
-    model: Any, name: str, dtype: str | None = None, seed: int = 0
+    model: Any, name: str, dtype: str | None = None, seed: int = 0, share_prompts: bool = False
 ) -> FastGenerator | None:
     """``--rollout-engine``: ``"hf"`` -> None (HF generate), ``"fast"`` -> a FastGenerator,
-    ``"auto"`` -> fast when CUDA is available, else HF."""
+    ``"auto"`` -> fast when CUDA is available, else HF. ``share_prompts``: ``--share-prompts``."""
     if name not in ROLLOUT_ENGINES:
         raise ConfigError(f"rollout engine must be one of {ROLLOUT_ENGINES}, got {name!r}")
     if name == "hf" or (name == "auto" and not torch.cuda.is_available()):
         return None
-    engine = FastEngine(model, FastEngineConfig(max_batch=16, max_len=256, dtype=dtype))
+    config = FastEngineConfig(max_batch=16, max_len=256, dtype=dtype, share_prompts=share_prompts)
+    engine = FastEngine(model, config)
     logger.info("fast rollout engine on %s (%s)", engine.device, engine.dtype)
     return FastGenerator(engine, seed=seed)
