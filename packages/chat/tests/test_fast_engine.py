@@ -362,9 +362,9 @@ def test_bad_groups_rejected(engine: FastEngine) -> None:
     assert engine._members(pair[:2], pair_mask[:2], 2, 2) == 1  # default config: nothing shared
 
 
-def test_share_prompts_from_the_cli(model: LlamaForCausalLM) -> None:
+def test_share_prompts_from_the_cli(model: LlamaForCausalLM, caplog: pytest.LogCaptureFixture) -> None:
     """``chat-train grpo --share-prompts`` reaches the producers' engine config (off by default); on
-    CPU the engine runs SDPA attention, so nothing is shared there."""
+    CPU the engine runs SDPA attention, so nothing is shared there, and it says so."""
     from megalith_chat.cli import build_parser
     from megalith_chat.commands import grpo_config
     from megalith_chat.engine.fast_rollout import make_fast_generator
@@ -374,3 +374,6 @@ def test_share_prompts_from_the_cli(model: LlamaForCausalLM) -> None:
     assert on.engine.share_prompts and not grpo_config(parser.parse_args(["grpo"])).engine.share_prompts
     fast = make_fast_generator(model, "fast", seed=0, share_prompts=on.engine.share_prompts)
     assert fast is not None and fast.engine.config.share_prompts and not fast.engine.share_prompts
+    assert "share_prompts needs the Triton decode attention" in caplog.text
+    assert make_fast_generator(model, "hf", share_prompts=True) is None
+    assert "--share-prompts applies to the fast rollout engine only" in caplog.text

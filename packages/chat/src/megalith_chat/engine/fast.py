@@ -118,6 +118,7 @@ class FastEngine:
 
     def _sharing_works(self) -> bool:
         if self.attention != "triton":
+            logger.warning("share_prompts needs the Triton decode attention (CUDA); prompts are not shared")
             return False
         error = shared_prompts_error(self.device, self.shape.head_dim)
         if error is not None:

@@ -149,6 +149,8 @@ def make_fast_generator(
     if name not in ROLLOUT_ENGINES:
         raise ConfigError(f"rollout engine must be one of {ROLLOUT_ENGINES}, got {name!r}")
     if name == "hf" or (name == "auto" and not torch.cuda.is_available()):
+        if share_prompts:
+            logger.warning("--share-prompts applies to the fast rollout engine only; HF generate is used")
         return None
     config = FastEngineConfig(max_batch=16, max_len=256, dtype=dtype, share_prompts=share_prompts)
     engine = FastEngine(model, config)
