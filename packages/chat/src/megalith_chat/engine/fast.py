@@ -15,9 +15,12 @@ Prompts are left-padded to a common width ``P``; row ``r``'s prompt starts at ``
   attends to slots ``start[r] .. s`` of the first ``Lb`` slots (``Lb`` = ``s + 1`` rounded up to
   ``kv_block``), samples the next token, records it and its log-prob and advances ``s``. Every
   input lives in a static buffer and the step advances its own counters, so on CUDA the step is
-  captured once per ``(batch bucket, Lb, top-k/p on/off)`` in a ``torch.cuda.CUDAGraph`` and
-  replayed; batch buckets are powers of two (padded with dummy rows). On CPU the same code runs
-  eagerly.
+  captured once per ``(batch bucket, Lb, top-k/p on/off, rows per shared prompt)`` in a
+  ``torch.cuda.CUDAGraph`` and replayed; batch buckets are powers of two (padded with dummy rows).
+  On CPU the same code runs eagerly.
+* **shared prompts** (``generate(..., group=G)`` with ``share_prompts``): runs of ``G`` rows with
+  one prompt are prefilled once (into the run's first row) and the decode attention reads the
+  prompt's slots from that row once for the run (:mod:`.fast_attention`).
 * :meth:`FastEngine.update_weights` copies new weights into the existing storage (no re-capture).
 
 Log-probs are ``log softmax(logits / T)[y]`` (see :mod:`.sampling`), the convention of the GRPO
