@@ -114,6 +114,8 @@ def make_kernels() -> tuple[Any, Any, Any]:  # noqa: PLR0915  (the kernels' bodi
         base = lead * sk_b + h * sk_h
         lo = sp * split_len
         hi = tl.minimum(lo + split_len, tl.load(pend_ptr))
+        # the key loop is partial's: a @triton.jit helper made in make_kernels is not resolvable
+        # from these kernels, and a module-level one would import Triton with this module
         for n0 in range(tl.maximum(lo, first // BN * BN), hi, BN):
             n = n0 + tl.arange(0, BN)
             ok = (n >= first) & (n < hi)
