@@ -13,10 +13,10 @@ shuffles and ~35 barriers per key block); the loop visits only the blocks that h
 (``start`` to ``slot``), not the whole static cache.
 
 Rows that are samples of one prompt (GRPO's group of ``R`` rows, identical in slots ``start`` to
-``prompt_end - 1``) can share those slots: ``prefix_partial`` (grid ``groups*KV x S'``) puts the
-group's ``R*G`` query rows against its first row's prompt slots, reading them once for the group,
-and writes each row's partials; ``partial`` then covers each row's own slots from ``prompt_end``
-on, and the combine pass merges both sets.
+``prompt_end - 1``) can share those slots: pass 1 then runs twice. First over the prompt (``PART=1``,
+grid ``groups*KV x S'``), with the group's ``R*G`` query rows against its first row's prompt slots,
+so they are read once for the group, writing each row's partials; then over each row's own slots
+from ``prompt_end`` on (``PART=2``); pass 2 merges both sets of partials.
 
 Kernels are built lazily by :func:`make_kernels` (``TRITON_INTERPRET=1`` then runs them on the
 CPU, which is how the tests check them); :func:`decode_attention` is the entry point.
@@ -38,8 +38,8 @@ BLOCK_N = 32  # keys per loop step; with LAUNCH the fastest of a sweep on the H2
 LAUNCH = {"num_warps": 2, "num_stages": 3}
 
 
-def make_kernels() -> tuple[Any, Any, Any]:  # noqa: PLR0915  (the kernels' bodies)
-    """Fresh ``(partial, combine, prefix_partial)`` Triton kernels (reads ``TRITON_INTERPRET`` now)."""
+def make_kernels() -> tuple[Any, Any]:  # noqa: PLR0915  (the kernels' bodies)
+    """Fresh ``(partial, combine)`` Triton kernels (reads ``TRITON_INTERPRET`` now)."""
     import triton
     import triton.language as tl
 
@@ -47,24 +47,34 @@ def make_kernels() -> tuple[Any, Any, Any]:  # noqa: PLR0915  (the kernels' bodi
     def partial(q_ptr, k_ptr, v_ptr, start_ptr, slot_ptr, m_ptr, l_ptr, a_ptr,
                 sk_b, sk_h, sk_t, kv_heads, kv_len, split_len, num_splits, scale,
                 o_ptr, pend_ptr, split_offset, G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr,
-                BN: tl.constexpr, PREC: tl.constexpr, DIRECT: tl.constexpr,
-                SUFFIX: tl.constexpr):  # fmt: skip
-        bh = tl.program_id(0)
+                BN: tl.constexpr, PREC: tl.constexpr, DIRECT: tl.constexpr, PART: tl.constexpr,
+                R: tl.constexpr, BQ: tl.constexpr):  # fmt: skip
+        # program (R rows x key/value head, split) over PART of the slots: 0 each row's own from
+        # start to slot; 1 the prompt slots start .. prompt_end - 1 that a group of R rows shares,
+        # read once from its first row; 2 each row's own from prompt_end on
+        gh = tl.program_id(0)
         sp = tl.program_id(1)
-        b = bh // kv_heads
-        h = bh % kv_heads
-        first = tl.load(start_ptr + b)
-        if SUFFIX:  # the shared prompt is prefix_partial's: only slots from the prompt's end on
+        lead = (gh // kv_heads) * R
+        h = gh % kv_heads
+        first = tl.load(start_ptr + lead)
+        if PART == 2:
             first = tl.maximum(first, tl.load(pend_ptr))
-        last = tl.load(slot_ptr)
-        g = tl.arange(0, BG)
+        last = tl.load(pend_ptr) - 1 if PART == 1 else tl.load(slot_ptr)
+        qi = tl.arange(0, BQ)
         d = tl.arange(0, D)
-        # the G query rows padded to BG >= 16 rows: both products run as tensor-core dots
-        q = tl.load(q_ptr + (bh * G + g[:, None]) * D + d[None, :], mask=g[:, None] < G, other=0.0)
-        m_i = tl.full([BG], -1e30, tl.float32)
-        l_i = tl.zeros([BG], tl.float32)
-        acc = tl.zeros([BG, D], tl.float32)
-        base = b * sk_b + h * sk_h
+        live = qi < R * G
+        if R == 1:  # the G query rows padded to BQ >= 16 rows: both products run as tensor-core dots
+            j = qi
+            owner = gh  # (row, head) whose partials these are
+        else:  # query row qi: head qi % G of member qi // G
+            j = qi % G
+            owner = (lead + qi // G) * kv_heads + h
+        src = owner * G + j
+        q = tl.load(q_ptr + src[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+        m_i = tl.full([BQ], -1e30, tl.float32)
+        l_i = tl.zeros([BQ], tl.float32)
+        acc = tl.zeros([BQ, D], tl.float32)
+        base = lead * sk_b + h * sk_h
         lo = sp * split_len
         hi = tl.minimum(tl.minimum(lo + split_len, kv_len), last + 1)
         for n0 in range(tl.maximum(lo, first // BN * BN), hi, BN):  # valid slots only
@@ -82,57 +92,18 @@ def make_kernels() -> tuple[Any, Any, Any]:  # noqa: PLR0915  (the kernels' bodi
             m_i = m_new
         if DIRECT:  # one split: the partial is the answer (no combine pass)
             out = acc / l_i[:, None]
-            dst = o_ptr + (bh * G + g[:, None]) * D + d[None, :]
-            tl.store(dst, out.to(o_ptr.dtype.element_ty), mask=g[:, None] < G)
+            dst = o_ptr + src[:, None] * D + d[None, :]
+            tl.store(dst, out.to(o_ptr.dtype.element_ty), mask=live[:, None])
         else:
-            row = (bh * num_splits + split_offset + sp) * BG + g
-            tl.store(m_ptr + row, m_i)
-            tl.store(l_ptr + row, l_i)
-            tl.store(a_ptr + row[:, None] * D + d[None, :], acc)
-
-    @triton.jit
-    def prefix_partial(q_ptr, k_ptr, v_ptr, start_ptr, pend_ptr, m_ptr, l_ptr, a_ptr,
-                       sk_b, sk_h, sk_t, kv_heads, split_len, num_splits, scale,
-                       G: tl.constexpr, R: tl.constexpr, BQ: tl.constexpr, BG: tl.constexpr,
-                       D: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
-        # program (group x key/value head, split): the R rows of a group share their prompt, so
-        # its keys are read once, from the group's first row, for all R x G query rows
-        gh = tl.program_id(0)
-        sp = tl.program_id(1)
-        lead = (gh // kv_heads) * R
-        h = gh % kv_heads
-        first = tl.load(start_ptr + lead)
-        qi = tl.arange(0, BQ)
-        live = qi < R * G
-        row = lead + qi // G  # query row qi: head qi % G of member qi // G
-        src = (row * kv_heads + h) * G + qi % G
-        d = tl.arange(0, D)
-        q = tl.load(q_ptr + src[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
-        m_i = tl.full([BQ], -1e30, tl.float32)
-        l_i = tl.zeros([BQ], tl.float32)
-        acc = tl.zeros([BQ, D], tl.float32)
-        base = lead * sk_b + h * sk_h
-        lo = sp * split_len
-        hi = tl.minimum(lo + split_len, tl.load(pend_ptr))
-        # the key loop is partial's: a @triton.jit helper made in make_kernels is not resolvable
-        # from these kernels, and a module-level one would import Triton with this module
-        for n0 in range(tl.maximum(lo, first // BN * BN), hi, BN):
-            n = n0 + tl.arange(0, BN)
-            ok = (n >= first) & (n < hi)
-            offs = base + n[:, None] * sk_t + d[None, :]
-            k = tl.load(k_ptr + offs, mask=ok[:, None], other=0.0)
-            v = tl.load(v_ptr + offs, mask=ok[:, None], other=0.0)
-            z = tl.where(ok[None, :], tl.dot(q, tl.trans(k), input_precision=PREC) * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(z, axis=1))
-            p = tl.exp(z - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-            m_i = m_new
-        dst = ((row * kv_heads + h) * num_splits + sp) * BG + qi % G  # the row's own partial slots
-        tl.store(m_ptr + dst, m_i, mask=live)
-        tl.store(l_ptr + dst, l_i, mask=live)
-        tl.store(a_ptr + dst[:, None] * D + d[None, :], acc, mask=live[:, None])
+            row = (owner * num_splits + split_offset + sp) * BG + j  # combine reads BG rows a split
+            if R == 1:
+                tl.store(m_ptr + row, m_i)
+                tl.store(l_ptr + row, l_i)
+                tl.store(a_ptr + row[:, None] * D + d[None, :], acc)
+            else:
+                tl.store(m_ptr + row, m_i, mask=live)
+                tl.store(l_ptr + row, l_i, mask=live)
+                tl.store(a_ptr + row[:, None] * D + d[None, :], acc, mask=live[:, None])
 
     @triton.jit
     def combine(m_ptr, l_ptr, a_ptr, o_ptr, num_splits,
@@ -156,11 +127,11 @@ def make_kernels() -> tuple[Any, Any, Any]:  # noqa: PLR0915  (the kernels' bodi
             mask=g[:, None] < G,
         )
 
-    return partial, combine, prefix_partial
+    return partial, combine
 
 
 @cache
-def _kernels() -> tuple[Any, Any, Any]:
+def _kernels() -> tuple[Any, Any]:
     return make_kernels()
 
 
@@ -171,7 +142,7 @@ def decode_attention(
     start: torch.Tensor,
     slot: torch.Tensor,
     scale: float,
-    kernels: tuple[Any, Any, Any] | None = None,
+    kernels: tuple[Any, Any] | None = None,
     target_programs: int = 512,
     block_n: int = BLOCK_N,
     launch: dict[str, int] | None = None,
@@ -190,12 +161,13 @@ def decode_attention(
 
     ``members > 1``: rows ``r·members .. (r+1)·members - 1`` are the samples of one prompt (GRPO's
     group), identical in cache slots ``start .. prompt_end - 1`` (0-d ``prompt_end``). Those slots
-    are then read once per group, from its first row, by ``prefix_partial``; ``partial`` reads each
-    row's own slots from ``prompt_end`` on, and ``combine`` merges both (see module doc).
+    are then read once per group, from its first row (``partial`` with ``PART=1``); a second
+    ``partial`` reads each row's own slots from ``prompt_end`` on, and ``combine`` merges both (see
+    module doc).
     """
     import triton
 
-    partial, combine, prefix_partial = kernels or _kernels()
+    partial, combine = kernels or _kernels()
     b, kv_heads, group, dim = q.shape
     kv_len = k.shape[2]
     shared = members > 1
@@ -218,19 +190,18 @@ def decode_attention(
     acc = torch.empty(parts, dim, device=q.device, dtype=torch.float32)
     out = torch.empty_like(q)
     sk = k.stride()
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    options = LAUNCH if launch is None else launch
     end = prompt_end if prompt_end is not None else slot
-    if shared:
-        prefix_partial[(b // members * kv_heads, first_splits)](
-            q, k, v, start, end, m, lsum, acc, sk[0], sk[1], sk[2], kv_heads, first_len, total, scale,
-            G=group, R=members, BQ=max(triton.next_power_of_2(members * group), 16), BG=bg, D=dim,
-            BN=block_n, PREC=prec, **options,
+    common = dict(G=group, BG=bg, D=dim, BN=block_n, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+                  **(LAUNCH if launch is None else launch))  # fmt: skip
+    if shared:  # the groups' prompt slots, into split entries 0 .. first_splits - 1
+        partial[(b // members * kv_heads, first_splits)](
+            q, k, v, start, slot, m, lsum, acc, sk[0], sk[1], sk[2], kv_heads, kv_len, first_len, total, scale,
+            out, end, 0, DIRECT=False, PART=1, R=members, BQ=max(triton.next_power_of_2(members * group), 16),
+            **common,
         )  # fmt: skip
     partial[(b * kv_heads, splits)](
         q, k, v, start, slot, m, lsum, acc, sk[0], sk[1], sk[2], kv_heads, kv_len, split_len, total, scale,
-        out, end, first_splits, G=group, BG=bg, D=dim, BN=block_n, PREC=prec, DIRECT=direct, SUFFIX=shared,
-        **options,
+        out, end, first_splits, DIRECT=direct, PART=2 if shared else 0, R=1, BQ=bg, **common,
     )  # fmt: skip
     if not direct:
         combine[(b * kv_heads,)](
