@@ -206,6 +206,18 @@ def test_unknown_parameter_rejected(engine: FastEngine) -> None:
         engine.update_weights({"model.layers.0.foo.weight": torch.zeros(1)})
 
 
+def in_interpreter(script: str, timeout: float = 120) -> str:
+    """stdout of ``script`` run by a fresh Python with the Triton interpreter on (the interpreter
+    must be chosen before Triton is first imported); fails the test if the script fails."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
 CHECK_KERNEL = """
 import torch
 from megalith_chat.engine.fast_attention import decode_attention
@@ -224,17 +236,9 @@ print("MAXERR", max(float((out - ref).abs().max()) for out in (two, one)))
 def test_triton_decode_attention_in_interpreter() -> None:
     """The split-KV kernel against SDPA with the left-padding / slot mask (Triton interpreter, CPU):
     3 query heads per KV head (padded to 16 rows), two splits (and one, without the combine pass),
-    rows starting inside and past the first key block, the slot before the end of the cache.
-
-    A subprocess: the interpreter must be chosen before Triton is first imported.
-    """
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", CHECK_KERNEL], capture_output=True, text=True, env=env, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    err = float(proc.stdout.split("MAXERR")[1])
+    rows starting inside and past the first key block, the slot before the end of the cache."""
+    stdout = in_interpreter(CHECK_KERNEL)
+    err = float(stdout.split("MAXERR")[1])
     assert err < 1e-5
 
 
@@ -263,14 +267,9 @@ print("MAXERR", err)
 def test_fused_decode_prologue_in_interpreter() -> None:
     """Split + RoPE + cache write kernel against the torch path on a GQA shape, strided rows and a
     cache view of a larger buffer (only slot 7 of rows 0-2 of layer 1 may change)."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", CHECK_PROLOGUE], capture_output=True, text=True, env=env, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "SHAPE (3, 2, 2, 16) CHANGED 6 True" in proc.stdout  # rows 0-2 x 2 heads, slot 7 only
-    assert float(proc.stdout.split("MAXERR")[1]) < 1e-6
+    stdout = in_interpreter(CHECK_PROLOGUE)
+    assert "SHAPE (3, 2, 2, 16) CHANGED 6 True" in stdout  # rows 0-2 x 2 heads, slot 7 only
+    assert float(stdout.split("MAXERR")[1]) < 1e-6
 
 
 CHECK_SHARED_PROMPT = """
@@ -299,14 +298,9 @@ def test_shared_prompt_decode_attention_in_interpreter() -> None:
     come from each group's first row, even where the second row's own slots differ, the rest from
     each row's own cache; against SDPA on caches with the first row's prompt copied in (Triton
     interpreter, 3 query heads per KV head, with and without splits of the key range)."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", CHECK_SHARED_PROMPT], capture_output=True, text=True, env=env, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "READS_LEADER True True" in proc.stdout
-    assert float(proc.stdout.split("MAXERR")[1]) < 1e-5
+    stdout = in_interpreter(CHECK_SHARED_PROMPT)
+    assert "READS_LEADER True True" in stdout
+    assert float(stdout.split("MAXERR")[1]) < 1e-5
 
 
 CHECK_SHARED_ENGINE = """
@@ -339,15 +333,10 @@ def test_engine_shares_group_prompts() -> None:
     its cache slots read once per group: Triton attention in the interpreter, CPU) gives the tokens
     of the unshared call, log-probs within the engine's 1e-5 (the first call leaves the second rows'
     prompt slots unwritten)."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", CHECK_SHARED_ENGINE], capture_output=True, text=True, env=env, timeout=240
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "ATTENTION triton MEMBERS 2" in proc.stdout
-    assert "TOKENS_EQUAL True" in proc.stdout
-    assert float(proc.stdout.split("MAXERR")[1]) < TOL
+    stdout = in_interpreter(CHECK_SHARED_ENGINE, timeout=240)
+    assert "ATTENTION triton MEMBERS 2" in stdout
+    assert "TOKENS_EQUAL True" in stdout
+    assert float(stdout.split("MAXERR")[1]) < TOL
 
 
 def test_bad_groups_rejected(engine: FastEngine) -> None:
