@@ -95,15 +95,12 @@ def make_kernels() -> tuple[Any, Any]:  # noqa: PLR0915  (the kernels' bodies)
             dst = o_ptr + src[:, None] * D + d[None, :]
             tl.store(dst, out.to(o_ptr.dtype.element_ty), mask=live[:, None])
         else:
+            # the live rows only: with G = 1 (no GQA) the other BQ - 1 rows are padding, and writing
+            # them multiplied the partials' bytes by 16
             row = (owner * num_splits + split_offset + sp) * BG + j  # combine reads BG rows a split
-            if R == 1:
-                tl.store(m_ptr + row, m_i)
-                tl.store(l_ptr + row, l_i)
-                tl.store(a_ptr + row[:, None] * D + d[None, :], acc)
-            else:
-                tl.store(m_ptr + row, m_i, mask=live)
-                tl.store(l_ptr + row, l_i, mask=live)
-                tl.store(a_ptr + row[:, None] * D + d[None, :], acc, mask=live[:, None])
+            tl.store(m_ptr + row, m_i, mask=live)
+            tl.store(l_ptr + row, l_i, mask=live)
+            tl.store(a_ptr + row[:, None] * D + d[None, :], acc, mask=live[:, None])
 
     @triton.jit
     def combine(m_ptr, l_ptr, a_ptr, o_ptr, num_splits,
@@ -113,7 +110,7 @@ def make_kernels() -> tuple[Any, Any]:  # noqa: PLR0915  (the kernels' bodies)
         g = tl.arange(0, BG)
         d = tl.arange(0, D)
         row = (bh * num_splits + s[:, None]) * BG + g[None, :]  # [BS, BG]
-        live = s[:, None] < num_splits
+        live = (s[:, None] < num_splits) & (g[None, :] < G)
         m = tl.load(m_ptr + row, mask=live, other=-1e30)
         lsum = tl.load(l_ptr + row, mask=live, other=0.0)
         a = tl.load(a_ptr + row[:, :, None] * D + d[None, None, :], mask=live[:, :, None], other=0.0)
