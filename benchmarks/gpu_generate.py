@@ -191,6 +191,9 @@ def run_fast(args: argparse.Namespace, model: Any, batch: int, mode: str) -> dic
         out["check"] = correctness(args, model, engine)
         if args.profile:
             out["profile"] = decode_profile(args, engine, batch)
+    if args.profile and group > 1:  # the same step with and without the shared prompt slots
+        out["profile"] = decode_profile(args, engine, batch, group)
+        out["unshared_profile"] = decode_profile(args, engine, batch)
     return out
 
 
@@ -206,10 +209,11 @@ def prefill_seconds(
     return timed(lambda: engine._prefill(rows[::every], start[::every], every), args.device, 3)
 
 
-def decode_profile(args: argparse.Namespace, engine: Any, batch: int) -> dict[str, Any]:
+def decode_profile(args: argparse.Namespace, engine: Any, batch: int, members: int = 1) -> dict[str, Any]:
     """One decode step at the mean context ``P + N/2``: its time as the engine runs it (graph replay
     on CUDA; includes two tiny counter resets) and the kernels of the same step run eagerly (device
-    time per step, by kernel name)."""
+    time per step, by kernel name). ``members > 1``: rows in groups of that many sharing their prompt
+    slots (the engine's ``prompt_end`` is the prompt width of its last ``generate``)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -222,12 +226,12 @@ def decode_profile(args: argparse.Namespace, engine: Any, batch: int) -> dict[st
         st.ridx.fill_(0)
 
     rewind()
-    engine._step(batch, kv_len, False)  # captures the graph if needed
+    engine._step(batch, kv_len, False, members)  # captures the graph if needed
     sync(args.device)
     t0 = time.perf_counter()
     for _ in range(reps):
         rewind()
-        engine._step(batch, kv_len, False)
+        engine._step(batch, kv_len, False, members)
     sync(args.device)
     step_ms = (time.perf_counter() - t0) / reps * 1e3
     cuda = args.device == "cuda"
@@ -235,7 +239,7 @@ def decode_profile(args: argparse.Namespace, engine: Any, batch: int) -> dict[st
     with profile(activities=[activity]) as prof:
         for _ in range(5):
             rewind()
-            engine._decode_body(batch, kv_len, False)
+            engine._decode_body(batch, kv_len, False, members)
         sync(args.device)
     kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
     totals: dict[str, float] = {}
