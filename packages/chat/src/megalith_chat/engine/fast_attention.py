@@ -16,7 +16,8 @@ Rows that are samples of one prompt (GRPO's group of ``R`` rows, identical in sl
 ``prompt_end - 1``) can share those slots: pass 1 then runs twice. First over the prompt (``PART=1``,
 grid ``groups*KV x S'``), with the group's ``R*G`` query rows against its first row's prompt slots,
 so they are read once for the group, writing each row's partials; then over each row's own slots
-from ``prompt_end`` on (``PART=2``); pass 2 merges both sets of partials.
+from ``prompt_end`` on (``PART=2``, one split: they are at most the new tokens), which merges the
+prompt's partials into its own and writes the output (no combine pass).
 
 Kernels are built lazily by :func:`make_kernels` (``TRITON_INTERPRET=1`` then runs them on the
 CPU, which is how the tests check them); :func:`decode_attention` is the entry point.
@@ -91,6 +92,18 @@ def make_kernels() -> tuple[Any, Any]:  # noqa: PLR0915  (the kernels' bodies)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             m_i = m_new
         if DIRECT:  # one split: the partial is the answer (no combine pass)
+            if PART == 2:  # merge the group's prompt partials, entries 0 .. split_offset - 1
+                for s in range(0, split_offset):
+                    prow = (owner * num_splits + s) * BG + j
+                    m_s = tl.load(m_ptr + prow, mask=live, other=-1e30)
+                    l_s = tl.load(l_ptr + prow, mask=live, other=0.0)
+                    a_s = tl.load(a_ptr + prow[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+                    m_new = tl.maximum(m_i, m_s)
+                    alpha = tl.exp(m_i - m_new)
+                    beta = tl.exp(m_s - m_new)
+                    l_i = l_i * alpha + l_s * beta
+                    acc = acc * alpha[:, None] + a_s * beta[:, None]
+                    m_i = m_new
             out = acc / l_i[:, None]
             dst = o_ptr + src[:, None] * D + d[None, :]
             tl.store(dst, out.to(o_ptr.dtype.element_ty), mask=live[:, None])
@@ -159,8 +172,8 @@ def decode_attention(
     ``members > 1``: rows ``r·members .. (r+1)·members - 1`` are the samples of one prompt (GRPO's
     group), identical in cache slots ``start .. prompt_end - 1`` (0-d ``prompt_end``). Those slots
     are then read once per group, from its first row (``partial`` with ``PART=1``); a second
-    ``partial`` reads each row's own slots from ``prompt_end`` on, and ``combine`` merges both (see
-    module doc).
+    ``partial`` reads each row's own slots from ``prompt_end`` on and merges the first one's partials
+    (see module doc).
     """
     import triton
 
@@ -177,11 +190,13 @@ def decode_attention(
         return triton.cdiv(kv_len, split_len), split_len
 
     bg = max(triton.next_power_of_2(group), 16)  # tl.dot needs 16 rows
-    splits, split_len = layout(b * kv_heads)
+    # shared: each row's own slots (at most the new tokens) in one split that also merges the
+    # prompt's partials, so no combine pass
+    splits, split_len = (1, triton.cdiv(kv_len, block_n) * block_n) if shared else layout(b * kv_heads)
     first_splits, first_len = layout(b // members * kv_heads) if shared else (0, 0)
-    total = first_splits + splits
-    direct = total == 1
-    parts = 0 if direct else b * kv_heads * total * bg
+    total = first_splits if shared else splits  # partial entries per (row, head)
+    direct = shared or total == 1
+    parts = b * kv_heads * total * bg if shared or not direct else 0
     m = torch.empty(parts, device=q.device, dtype=torch.float32)
     lsum = torch.empty_like(m)
     acc = torch.empty(parts, dim, device=q.device, dtype=torch.float32)
