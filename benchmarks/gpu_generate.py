@@ -9,7 +9,7 @@ configuration (split-KV Triton decode attention, compiled elementwise ops, fused
 CUDA graphs). ``fast_grouped`` is the same engine with ``share_prompts=True`` on ``B / 8`` prompts of
 8 samples each (GRPO's groups) given as ``generate(..., group=8)``: each prompt is prefilled once and
 its cache slots are read once per group; it also records ``unshared_tokens_per_s``, the same prompts without ``group``,
-in the same process. ``fast_sdpa`` swaps in SDPA for the decode attention; ``fast_nocompile`` /
+in the same process, and at the first batch the log-prob error of both against a teacher-forced HF forward. ``fast_sdpa`` swaps in SDPA for the decode attention; ``fast_nocompile`` /
 ``fast_eager`` drop the compiled ops / the graphs too.
 
 Memory-bound floor (new tokens/s): a decode step must read every weight that takes part in it
@@ -176,6 +176,11 @@ def run_fast(args: argparse.Namespace, model: Any, batch: int, mode: str) -> dic
         engine.generate(ids, mask, params)
         unshared = timed(lambda: engine.generate(ids, mask, params), args.device, 3)
         out["unshared_tokens_per_s"] = batch * args.new_tokens / unshared
+        if batch == args.batches[0]:
+            out["check"] = {
+                name: logprob_error(model, ids, mask, engine.generate(ids, mask, params, group=g))
+                for name, g in (("shared", group), ("unshared", 1))
+            }
     out |= {
         "batch": batch,
         "seconds": seconds,
@@ -259,10 +264,8 @@ def decode_profile(args: argparse.Namespace, engine: Any, batch: int, members: i
 
 def correctness(args: argparse.Namespace, model: Any, engine: Any) -> dict[str, float]:
     """Greedy agreement with HF generate and log-prob error vs a teacher-forced HF forward."""
-    import torch
 
     from megalith_chat.engine.sampling import SamplingParams
-    from megalith_chat.rollout.generation import response_logprobs
 
     ids, mask = prompts(args, 8, model.config.vocab_size)
     n = min(32, args.new_tokens)
@@ -279,17 +282,24 @@ def correctness(args: argparse.Namespace, model: Any, engine: Any) -> dict[str, 
     first_diff = (ours != hf).int().argmax(dim=1).float()
     first_diff[(ours == hf).all(dim=1)] = n
     sampled = engine.generate(ids, mask, SamplingParams(n, temperature=1.0))
-    with torch.no_grad():
-        ref = response_logprobs(
-            model, ids, mask, sampled.tokens.to(args.device), torch.ones_like(sampled.tokens).to(args.device)
-        )
-    err = (ref.float().cpu() - sampled.logprobs).abs()
     return {
         "greedy_tokens_equal_frac": float((ours == hf).float().mean()),
         "greedy_first_diff_mean": float(first_diff.mean()),
-        "logprob_abs_err_max": float(err.max()),
-        "logprob_abs_err_mean": float(err.mean()),
+        **logprob_error(model, ids, mask, sampled),
     }
+
+
+def logprob_error(model: Any, ids: Any, mask: Any, result: Any) -> dict[str, float]:
+    """Sampled log-probs of an engine ``generate`` against a teacher-forced HF forward."""
+    import torch
+
+    from megalith_chat.rollout.generation import response_logprobs
+
+    tokens = result.tokens.to(ids.device)
+    with torch.no_grad():
+        ref = response_logprobs(model, ids, mask, tokens, torch.ones_like(tokens))
+    err = (ref.float().cpu() - result.logprobs).abs()
+    return {"logprob_abs_err_max": float(err.max()), "logprob_abs_err_mean": float(err.mean())}
 
 
 def run_grpo(args: argparse.Namespace, model: Any, fast: bool) -> dict[str, Any]:

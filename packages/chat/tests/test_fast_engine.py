@@ -329,6 +329,9 @@ outs = [engine.generate(ids, mask, params, generator=torch.Generator().manual_se
 print("ATTENTION", engine.attention, "MEMBERS", engine._members(ids, mask, 2, 6))
 print("TOKENS_EQUAL", torch.equal(outs[0].tokens, outs[1].tokens))
 print("MAXERR", float((outs[0].logprobs - outs[1].logprobs).abs().max()))
+auto = FastEngine(model, FastEngineConfig(max_batch=8, max_len=24, attention="triton"), device="cpu")
+# auto: shared from 512 (row, KV head) pairs per bucket, here 2 KV heads -> 256 rows
+print("AUTO", [auto._members(ids, mask, 2, rows) for rows in (6, 254, 256)])
 """
 
 
@@ -336,11 +339,13 @@ def test_engine_shares_group_prompts() -> None:
     """A sampled ``generate`` of 3 prompts x 2 samples with ``group=2`` (each prompt prefilled once,
     its cache slots read once per group: Triton attention in the interpreter, CPU) gives the tokens
     of the unshared call, log-probs within the engine's 1e-5 (the first call leaves the second rows'
-    prompt slots unwritten)."""
+    prompt slots unwritten). By default (``share_prompts=None``) only buckets with at least 512
+    (row, KV head) pairs share."""
     stdout = in_interpreter(CHECK_SHARED_ENGINE, timeout=240)
     assert "ATTENTION triton MEMBERS 2" in stdout
+    assert "AUTO [1, 1, 2]" in stdout
     assert "TOKENS_EQUAL True" in stdout
-    assert float(stdout.split("MAXERR")[1]) < TOL
+    assert float(stdout.split("MAXERR")[1].split()[0]) < TOL
 
 
 def test_bad_groups_rejected(engine: FastEngine) -> None:
@@ -352,19 +357,24 @@ def test_bad_groups_rejected(engine: FastEngine) -> None:
     pair_mask = torch.cat([mask[:1], mask[:1], mask[1:2], mask[2:3]])
     with pytest.raises(ConfigError, match="prompt_ids row 3 differs from row 2, the first of its group of 2"):
         engine.generate(pair, pair_mask, params, group=2)
-    assert engine._members(pair[:2], pair_mask[:2], 2, 2) == 1  # default config: nothing shared
+    assert engine._members(pair[:2], pair_mask[:2], 2, 2) == 1  # CPU (SDPA attention): nothing shared
 
 
 def test_share_prompts_from_the_cli(model: LlamaForCausalLM, caplog: pytest.LogCaptureFixture) -> None:
-    """``chat-train grpo --share-prompts`` reaches the producers' engine config (off by default); on
-    CPU the engine runs SDPA attention, so nothing is shared there, and it says so."""
+    """``chat-train grpo --[no-]share-prompts`` reaches the producers' engine config (default None:
+    the engine decides); on CPU the engine runs SDPA attention, so nothing is shared there, and
+    when asked for sharing it says so (silent by default)."""
     from megalith_chat.cli import build_parser
     from megalith_chat.commands import grpo_config
     from megalith_chat.engine.fast_rollout import make_fast_generator
 
     parser = build_parser()
+    flags = {"grpo": None, "grpo --share-prompts": True, "grpo --no-share-prompts": False}
+    for args, want in flags.items():
+        assert grpo_config(parser.parse_args(args.split())).engine.share_prompts is want
+    auto = make_fast_generator(model, "fast", seed=0)
+    assert auto is not None and not auto.engine.share_prompts and not caplog.text
     on = grpo_config(parser.parse_args(["grpo", "--share-prompts"]))
-    assert on.engine.share_prompts and not grpo_config(parser.parse_args(["grpo"])).engine.share_prompts
     fast = make_fast_generator(model, "fast", seed=0, share_prompts=on.engine.share_prompts)
     assert fast is not None and fast.engine.config.share_prompts and not fast.engine.share_prompts
     assert "share_prompts needs the Triton decode attention" in caplog.text

@@ -30,7 +30,8 @@ class EngineConfig:
     sync_timeout_s: float = 120.0
     sync_bucket_mb: float = 32.0
     rollout_engine: str = "auto"  # producers: "hf" generate, "fast" engine, "auto" = fast with CUDA
-    share_prompts: bool = False  # fast engine: a group's prompt prefilled and its cache read once
+    # fast engine: a group's prompt prefilled and its cache read once; None: where it pays
+    share_prompts: bool | None = None
 
     def __post_init__(self) -> None:
         if self.num_producers < 1 or self.num_consumers < 1:

@@ -18,9 +18,11 @@ Prompts are left-padded to a common width ``P``; row ``r``'s prompt starts at ``
   captured once per ``(batch bucket, Lb, top-k/p on/off, rows per shared prompt)`` in a
   ``torch.cuda.CUDAGraph`` and replayed; batch buckets are powers of two (padded with dummy rows).
   On CPU the same code runs eagerly.
-* **shared prompts** (``generate(..., group=G)`` with ``share_prompts``): runs of ``G`` rows with
+* **shared prompts** (``generate(..., group=G)``, ``share_prompts``): runs of ``G`` rows with
   one prompt are prefilled once (into the run's first row) and the decode attention reads the
-  prompt's slots from that row once for the run (:mod:`.fast_attention`).
+  prompt's slots from that row once for the run (:mod:`.fast_attention`). By default only where
+  that was measured faster on the H200: batch buckets with at least ``TARGET_PROGRAMS`` (row,
+  key/value head) pairs, so that the pass over each row's own slots fills the GPU without splits.
 * :meth:`FastEngine.update_weights` copies new weights into the existing storage (no re-capture).
 
 Log-probs are ``log softmax(logits / T)[y]`` (see :mod:`.sampling`), the convention of the GRPO
@@ -40,7 +42,12 @@ from torch import nn
 
 from megalith.common.errors import ConfigError
 from megalith_chat.engine import fast_ops
-from megalith_chat.engine.fast_attention import choose_attention, decode_attention, shared_prompts_error
+from megalith_chat.engine.fast_attention import (
+    TARGET_PROGRAMS,
+    choose_attention,
+    decode_attention,
+    shared_prompts_error,
+)
 from megalith_chat.engine.fast_prologue import rope_store, rope_store_reference, supported
 from megalith_chat.engine.fast_state import DecodeState
 from megalith_chat.engine.fast_weights import EngineWeights, ModelShape, effective_weights, unwrap_peft
@@ -69,7 +76,9 @@ class FastEngineConfig:
     sync_every: int = 16
     attention: str = "auto"  # decode attention: "sdpa", "triton" (split-KV kernel), "auto" = triton on CUDA
     fused_prologue: bool = True  # CUDA: one Triton kernel splits QKV, applies RoPE and writes the cache
-    share_prompts: bool = False  # Triton attention: a group's prompt is prefilled and read once (opt-in)
+    # Triton attention: a group's prompt is prefilled and read once. None (auto): where it pays
+    # (module doc); True: at every batch (warns when unusable); False: never
+    share_prompts: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_len < 2:
@@ -112,7 +121,7 @@ class FastEngine:
         self.compiled_ops = cuda and self.config.compile_ops
         self.attention = choose_attention(self.config.attention, self.device, self.shape.head_dim)
         self.fused_prologue = cuda and self.config.fused_prologue and supported(self.shape.head_dim)
-        self.share_prompts = self.config.share_prompts and self._sharing_works()
+        self.share_prompts = self.config.share_prompts is not False and self._sharing_works()
         self._graphs: dict[tuple[int, int, bool, int], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
         self.scale = self.shape.head_dim**-0.5
@@ -120,12 +129,15 @@ class FastEngine:
         self.reserve(self.config.max_batch, self.config.max_len)
 
     def _sharing_works(self) -> bool:
+        """Whether the shared-prompt attention runs here; says why not (a warning if it was asked
+        for, ``share_prompts=True``)."""
+        log = logger.warning if self.config.share_prompts else logger.debug
         if self.attention != "triton":
-            logger.warning("share_prompts needs the Triton decode attention (CUDA); prompts are not shared")
+            log("share_prompts needs the Triton decode attention (CUDA); prompts are not shared")
             return False
         error = shared_prompts_error(self.device, self.shape.head_dim)
         if error is not None:
-            logger.warning("shared-prompt decode attention unusable (%s); prompts are not shared", error)
+            log("shared-prompt decode attention unusable (%s); prompts are not shared", error)
         return error is None
 
     # ---------------------------------------------------------------- storage
@@ -329,9 +341,9 @@ class FastEngine:
         (CPU tokens so far) is called every ``sync_every`` steps and returns rows to finish (stop
         strings); rows also finish at any of ``eos_ids``; all finished ends the loop early.
         ``group``: the rows come in runs of ``group`` identical prompts (GRPO's samples of one
-        prompt; checked); with the Triton attention and ``share_prompts`` (opt-in until measured on
-        a GPU), each run's prompt is prefilled once and its cache slots are read once per decode
-        step for the whole run.
+        prompt; checked); with the Triton attention and ``share_prompts`` (see the module doc for
+        when by default), each run's prompt is prefilled once and its cache slots are read once per
+        decode step for the whole run.
         """
         batch, width = prompt_ids.shape
         self._check(batch, width, params)
@@ -373,7 +385,8 @@ class FastEngine:
         """Rows per shared prompt in this call: ``group`` if it is used (see :meth:`generate`), else 1.
 
         The ``rows - B`` dummy rows of the batch bucket share one prompt too, so they must also come
-        in whole groups; otherwise the call runs unshared."""
+        in whole groups; otherwise the call runs unshared. With ``share_prompts=None`` (auto) the
+        bucket also needs ``TARGET_PROGRAMS`` (row, key/value head) pairs."""
         batch = ids.shape[0]
         if group < 1 or batch % group:
             raise ConfigError(f"group must be >= 1 and divide the batch of {batch} rows, got {group}")
@@ -387,7 +400,8 @@ class FastEngine:
                 raise ConfigError(
                     f"{name} row {row} differs from row {row - row % group}, the first of its group of {group}"
                 )
-        return group if self.share_prompts and (rows - batch) % group == 0 else 1
+        pays = self.config.share_prompts or rows * self.shape.kv_heads >= TARGET_PROGRAMS
+        return group if self.share_prompts and pays and (rows - batch) % group == 0 else 1
 
     def _all_done(self, batch: int, steps: int, on_sync: SyncHook | None) -> bool:
         st = self.state

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
+TARGET_PROGRAMS = 512  # programs a decode-attention launch aims for (key-range splits make up the rest)
 BLOCK_N = 32  # keys per loop step; with LAUNCH the fastest of a sweep on the H200 (see decode_attention)
 LAUNCH = {"num_warps": 2, "num_stages": 3}
 
@@ -153,7 +154,7 @@ def decode_attention(
     slot: torch.Tensor,
     scale: float,
     kernels: tuple[Any, Any] | None = None,
-    target_programs: int = 512,
+    target_programs: int = TARGET_PROGRAMS,
     block_n: int = BLOCK_N,
     launch: dict[str, int] | None = None,
     members: int = 1,

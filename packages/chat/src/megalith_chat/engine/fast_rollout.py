@@ -142,10 +142,11 @@ def _assemble(
 
 
 def make_fast_generator(
-    model: Any, name: str, dtype: str | None = None, seed: int = 0, share_prompts: bool = False
+    model: Any, name: str, dtype: str | None = None, seed: int = 0, share_prompts: bool | None = None
 ) -> FastGenerator | None:
     """``--rollout-engine``: ``"hf"`` -> None (HF generate), ``"fast"`` -> a FastGenerator,
-    ``"auto"`` -> fast when CUDA is available, else HF. ``share_prompts``: ``--share-prompts``."""
+    ``"auto"`` -> fast when CUDA is available, else HF. ``share_prompts``: ``--[no-]share-prompts``
+    (None: the engine's default)."""
     if name not in ROLLOUT_ENGINES:
         raise ConfigError(f"rollout engine must be one of {ROLLOUT_ENGINES}, got {name!r}")
     if name == "hf" or (name == "auto" and not torch.cuda.is_available()):
