@@ -1,6 +1,6 @@
 """Training throughput of the 1.1B TinyLlama shape on one GPU: HF eager, HF + torch.compile,
-HF + Liger-Kernel, megalith (Booster: kernels rope/swiglu/cross_entropy, compile=True with CUDA
-graphs, ZeroPlugin(stage=2), bf16-true, multi-tensor FusedAdamW).
+HF + Liger-Kernel, megalith (Booster: kernels rope/swiglu/cross_entropy, compile=True,
+ZeroPlugin(stage=2), bf16-true, multi-tensor FusedAdamW).
 
 Every system runs in a fresh subprocess (no cross-contamination of caches, compiled graphs or
 allocator state) on the same micro-batch (batch 8 × 2048, no accumulation), SDPA attention and a
@@ -33,14 +33,12 @@ SYSTEMS = (
     "hf_compile",
     "hf_liger",
     "megalith",
-    "megalith_nographs",
     "megalith_eager",
     "megalith_mixed",
     "megalith_multi_tensor",
     "kernels_bf16",
 )
 DEFAULT_SYSTEMS = ("hf_eager", "hf_compile", "hf_liger", "megalith", "megalith_eager")
-# megalith_nographs: megalith without CUDA graphs (Booster(cuda_graphs=False));
 # megalith_eager: the Booster path without compile; megalith_mixed: with fp32 masters;
 # megalith_multi_tensor: megalith_eager with FusedAdamW(multi_tensor=True); kernels_bf16:
 # megalith's kernel policy alone (torch fused AdamW, no Booster) - the like-for-like kernel comparison.
@@ -72,14 +70,13 @@ def build(system: str, args: argparse.Namespace, device: torch.device) -> tuple[
     with device:
         model = LlamaForCausalLM(config)
     if system.startswith("megalith"):
-        compile = system in ("megalith", "megalith_nographs", "megalith_mixed") and device.type == "cuda"
-        multi = system in ("megalith", "megalith_nographs", "megalith_multi_tensor") or args.multi_tensor
+        compile = system in ("megalith", "megalith_mixed") and device.type == "cuda"
+        multi = system in ("megalith", "megalith_multi_tensor") or args.multi_tensor
         kernels = args.kernels.split(",") if args.kernels else (COMPILED_KERNELS if compile else True)
         return _megalith(
             model,
             device,
             compile=compile,
-            cuda_graphs=compile and system != "megalith_nographs",
             mixed=system == "megalith_mixed",
             multi_tensor=multi,
             kernels=kernels,
@@ -105,26 +102,14 @@ def build(system: str, args: argparse.Namespace, device: torch.device) -> tuple[
 
 
 def _megalith(
-    model: Any,
-    device: torch.device,
-    compile: bool,
-    cuda_graphs: bool,
-    mixed: bool,
-    multi_tensor: bool,
-    kernels: Any,
+    model: Any, device: torch.device, compile: bool, mixed: bool, multi_tensor: bool, kernels: Any
 ) -> tuple[Any, Any, Any]:
     from megalith.booster import Booster
     from megalith.booster.plugins import ZeroPlugin
     from megalith.kernels import FusedAdamW
 
     precision = "fp32" if device.type != "cuda" else "bf16" if mixed else "bf16-true"
-    booster = Booster(
-        plugin=ZeroPlugin(stage=2),
-        precision=precision,
-        kernels=kernels,
-        compile=compile,
-        cuda_graphs=cuda_graphs,
-    )
+    booster = Booster(plugin=ZeroPlugin(stage=2), precision=precision, kernels=kernels, compile=compile)
     opt = FusedAdamW(model.parameters(), lr=1e-4, weight_decay=0.1, multi_tensor=multi_tensor)
     model, opt, *_ = booster.boost(model, opt)
 
@@ -137,7 +122,7 @@ def _megalith(
 
     weights = {"bf16": "bf16 + fp32 masters", "bf16-true": "bf16"}.get(precision, precision)
     name = "megalith FusedAdamW" + (" (multi-tensor)" if multi_tensor else "")
-    info = {"optimizer": name, "weights": weights, "compile": compile, "cuda_graphs": cuda_graphs}
+    info = {"optimizer": name, "weights": weights, "compile": compile}
     return model, step, info | ({"kernels": sorted(kernels)} if kernels is not True else {})
 
 

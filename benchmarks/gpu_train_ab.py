@@ -10,7 +10,8 @@ in between. Variants:
   (the default is `megalith.kernels.custom_ops.chunk_rows`: 4096 rows at this shape);
 - ``megalith_nocache``: megalith with ``use_cache=False`` in every loss forward (HF's default
   builds a KV cache in training forwards too; skipping it was measured slower, see the core README);
-- ``megalith_nographs``: the system of gpu_train.py without CUDA graphs (``Booster(cuda_graphs=False)``);
+- ``megalith_graphs``: megalith with Inductor's CUDA graphs (``triton.cudagraphs``, what
+  ``torch.compile(mode="reduce-overhead")`` turns on) for the compiled forward and backward;
 - ``*_expandable``: the same with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
 
     python benchmarks/gpu_train_ab.py --variants hf_liger megalith megalith_ce2048 --rounds 2
@@ -33,28 +34,32 @@ import gpu_train
 from _common import emit_result, run_child, write_result
 
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-VARIANT = re.compile(r"^(hf_liger|megalith(?:_nographs)?)(?:_ce(\d+))?(_nocache)?(_expandable)?$")
+VARIANT = re.compile(r"^(hf_liger|megalith)(?:_ce(\d+))?(_nocache)?(_graphs)?(_expandable)?$")
 
 
 class Variant(NamedTuple):
     system: str  # a system of gpu_train.py
     chunk_rows: int | None  # the fused cross-entropy's logits chunk, None: its default
     no_cache: bool  # use_cache=False in every loss forward
+    graphs: bool  # Inductor's CUDA graphs around the compiled forward and backward
     env: dict[str, str]  # added to the process environment
 
 
 def parse_variant(name: str) -> Variant:
     """What a variant name asks for; an unknown name is an ArgumentTypeError naming it."""
     match = VARIANT.match(name)
-    if match is None or (match.group(1) == "hf_liger" and (match.group(2) or match.group(3))):
+    if match is None or (
+        match.group(1) == "hf_liger" and (match.group(2) or match.group(3) or match.group(4))
+    ):
         raise argparse.ArgumentTypeError(
             f"unknown variant {name!r}: use hf_liger[_expandable] or "
-            "megalith[_nographs][_ce<rows>][_nocache][_expandable]"
+            "megalith[_ce<rows>][_nocache][_graphs][_expandable]"
         )
     rows = int(match.group(2)) if match.group(2) else None
     if rows == 0:
         raise argparse.ArgumentTypeError(f"variant {name!r}: the chunk must have at least one row")
-    return Variant(match.group(1), rows, bool(match.group(3)), EXPANDABLE if match.group(4) else {})
+    graphs = bool(match.group(4))
+    return Variant(match.group(1), rows, bool(match.group(3)), graphs, EXPANDABLE if match.group(5) else {})
 
 
 def child(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -71,6 +76,13 @@ def child(name: str, args: argparse.Namespace) -> dict[str, Any]:
         kernels._causal_lm_forward = lambda self, *a, **kw: loss_forward(
             self, *a, **{"use_cache": False, **kw}
         )
+    if variant.graphs:
+        import torch._inductor.config as inductor_config
+        from torch._dynamo.utils import counters
+
+        inductor_config.triton.cudagraphs = True
+        row = gpu_train.child(variant.system, args)
+        return {"variant": name, **row, "cudagraph_skips": dict(counters["inductor"])}
     return {"variant": name, **gpu_train.child(variant.system, args)}
 
 

@@ -72,18 +72,13 @@ class Booster:
         precision: str | Precision = "fp32",
         kernels: bool | Iterable[str] = False,
         compile: bool = False,
-        cuda_graphs: bool = False,
     ) -> None:
         """`precision`: "fp32", "bf16" / "fp16" (fp32 master weights; fp16 with loss scaling) or
         "bf16-true" (everything in bf16, no masters; DDPPlugin and ZeroPlugin stages 1-2).
         `kernels=True` swaps megalith's fused kernels into HF Llama/Qwen2/Mistral models
         (`megalith.policies.kernels`), a collection of names (`KERNELS`: "rms_norm", "rope",
         "swiglu", "cross_entropy", "qkv") only those; `compile=True` runs `torch.compile` on the boosted model
-        and leaves plain causal masks of HF models to SDPA's `is_causal` (`megalith.policies.sdpa`).
-        `cuda_graphs=True` (with `compile=True`, one process) replays the compiled forward and
-        backward as CUDA graphs (Inductor's, `torch.compile(mode="reduce-overhead")`; a no-op on
-        CPU). The model's outputs (loss, logits) then live in the graphs' memory and the next
-        forward overwrites them: read or clone what you keep before it."""
+        and leaves plain causal masks of HF models to SDPA's `is_causal` (`megalith.policies.sdpa`)."""
         self.plugin = plugin or DDPPlugin()
         self.precision = precision if isinstance(precision, Precision) else Precision(precision)
         if self.precision.name == "bf16-true" and not self.plugin.supports_bf16_true:
@@ -96,14 +91,7 @@ class Booster:
             from megalith.policies.kernels import kernel_set
 
             self.kernels = kernel_set(None if kernels is True else kernels)
-        if cuda_graphs and not compile:
-            raise ConfigError("cuda_graphs=True needs compile=True (the graphs are torch.compile's)")
-        if cuda_graphs and _world() > 1:
-            raise ConfigError(
-                f"cuda_graphs=True is implemented for one process, got a world of {_world()} ranks"
-            )
         self.compile = compile
-        self.cuda_graphs = cuda_graphs
 
     # -- setup ------------------------------------------------------------------------------------
     def boost(
@@ -126,8 +114,7 @@ class Booster:
             use_mask_free_causal_sdpa(model)  # no-op unless an HF model on "sdpa"
         boosted = self.plugin.configure(model, optimizer, self.precision)
         if self.compile:
-            # in place: parameter names and state_dict keys unchanged
-            boosted.model.compile(mode="reduce-overhead" if self.cuda_graphs else None)
+            boosted.model.compile()  # in place: parameter names and state_dict keys unchanged
         return boosted.model, boosted.optimizer, criterion, dataloader, lr_scheduler
 
     def prepare_dataloader(
