@@ -330,8 +330,8 @@ print("ATTENTION", engine.attention, "MEMBERS", engine._members(ids, mask, 2, 6)
 print("TOKENS_EQUAL", torch.equal(outs[0].tokens, outs[1].tokens))
 print("MAXERR", float((outs[0].logprobs - outs[1].logprobs).abs().max()))
 auto = FastEngine(model, FastEngineConfig(max_batch=8, max_len=24, attention="triton"), device="cpu")
-# auto: shared from 512 (row, KV head) pairs per bucket, here 2 KV heads -> 256 rows
-print("AUTO", [auto._members(ids, mask, 2, rows) for rows in (6, 254, 256)])
+# auto: shared from 2048 (row, KV head) pairs per bucket, here 2 KV heads -> 1024 rows
+print("AUTO", [auto._members(ids, mask, 2, rows) for rows in (6, 1022, 1024)])
 """
 
 
@@ -339,7 +339,7 @@ def test_engine_shares_group_prompts() -> None:
     """A sampled ``generate`` of 3 prompts x 2 samples with ``group=2`` (each prompt prefilled once,
     its cache slots read once per group: Triton attention in the interpreter, CPU) gives the tokens
     of the unshared call, log-probs within the engine's 1e-5 (the first call leaves the second rows'
-    prompt slots unwritten). By default (``share_prompts=None``) only buckets with at least 512
+    prompt slots unwritten). By default (``share_prompts=None``) only buckets with at least 2048
     (row, KV head) pairs share."""
     stdout = in_interpreter(CHECK_SHARED_ENGINE, timeout=240)
     assert "ATTENTION triton MEMBERS 2" in stdout

@@ -166,7 +166,7 @@ def add_grpo_parser(sub: Any) -> None:
         default=None,
         help="fast engine on CUDA: prefill each prompt once per group of G samples and read its KV "
         "cache once per group in every decode step. Default: where measured faster (batches with at "
-        "least 512 rows x KV heads, see the README); --share-prompts at every batch, "
+        "least 2048 rows x KV heads, see the README); --share-prompts at every batch, "
         "--no-share-prompts never",
     )
     p.add_argument(
