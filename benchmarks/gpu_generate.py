@@ -8,9 +8,10 @@ and writes ``benchmarks/results/gpu_generate_h200.json``. ``fast`` is the engine
 configuration (split-KV Triton decode attention, compiled elementwise ops, fused decode prologue,
 CUDA graphs). ``fast_grouped`` is the same engine with ``share_prompts=True`` on ``B / 8`` prompts of
 8 samples each (GRPO's groups) given as ``generate(..., group=8)``: each prompt is prefilled once and
-its cache slots are read once per group; it also records ``unshared_tokens_per_s``, the same prompts without ``group``,
-in the same process, and at the first batch the log-prob error of both against a teacher-forced HF forward. ``fast_sdpa`` swaps in SDPA for the decode attention; ``fast_nocompile`` /
-``fast_eager`` drop the compiled ops / the graphs too.
+its cache slots are read once per group; it also records ``unshared_tokens_per_s``, the same
+prompts without ``group``, in the same process, and at the first batch the log-prob error of both
+against a teacher-forced HF forward. ``fast_sdpa`` swaps in SDPA for the decode attention;
+``fast_nocompile`` / ``fast_eager`` drop the compiled ops / the graphs too.
 
 Memory-bound floor (new tokens/s): a decode step must read every weight that takes part in it
 (all but the embedding table, of which only ``B`` rows are read) plus the KV cache of the mean
@@ -264,7 +265,6 @@ def decode_profile(args: argparse.Namespace, engine: Any, batch: int, members: i
 
 def correctness(args: argparse.Namespace, model: Any, engine: Any) -> dict[str, float]:
     """Greedy agreement with HF generate and log-prob error vs a teacher-forced HF forward."""
-
     from megalith_chat.engine.sampling import SamplingParams
 
     ids, mask = prompts(args, 8, model.config.vocab_size)

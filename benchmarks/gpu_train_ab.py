@@ -58,8 +58,8 @@ def parse_variant(name: str) -> Variant:
     rows = int(match.group(2)) if match.group(2) else None
     if rows == 0:
         raise argparse.ArgumentTypeError(f"variant {name!r}: the chunk must have at least one row")
-    graphs = bool(match.group(4))
-    return Variant(match.group(1), rows, bool(match.group(3)), graphs, EXPANDABLE if match.group(5) else {})
+    env = EXPANDABLE if match.group(5) else {}
+    return Variant(match.group(1), rows, bool(match.group(3)), bool(match.group(4)), env)
 
 
 def child(name: str, args: argparse.Namespace) -> dict[str, Any]:

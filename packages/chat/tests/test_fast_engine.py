@@ -276,16 +276,16 @@ CHECK_SHARED_PROMPT = """
 import torch
 from megalith_chat.engine.fast_attention import decode_attention
 g = torch.Generator().manual_seed(0)
+start, slot, end = torch.tensor([5, 5, 40, 40]), torch.tensor(70), torch.tensor(50)
+ar = torch.arange(90)
+mask = ((ar >= start[:, None]) & (ar <= slot))[:, None, None]
+sdpa = torch.nn.functional.scaled_dot_product_attention
 for heads in (3, 1):  # query heads per KV head (1: the padded rows of the dot are most of its rows)
     q = torch.randn(4, 2, heads, 16, generator=g)
     k, v = (torch.randn(4, 2, 90, 16, generator=g) for _ in range(2))
-    start, slot, end = torch.tensor([5, 5, 40, 40]), torch.tensor(70), torch.tensor(50)
     k_ref, v_ref = k.clone(), v.clone()
     for lead in (0, 2):  # a group's second row attends to its first row's prompt slots
         k_ref[lead + 1, :, :50], v_ref[lead + 1, :, :50] = k[lead, :, :50], v[lead, :, :50]
-    ar = torch.arange(90)
-    mask = ((ar >= start[:, None]) & (ar <= slot))[:, None, None]
-    sdpa = torch.nn.functional.scaled_dot_product_attention
     ref = sdpa(q, k_ref, v_ref, attn_mask=mask, scale=0.3)
     outs = [decode_attention(q, k, v, start, slot, 0.3, target_programs=t, members=2, prompt_end=end)
             for t in (12, 1)]

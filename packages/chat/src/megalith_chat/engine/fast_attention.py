@@ -196,8 +196,8 @@ def decode_attention(
     splits, split_len = (1, triton.cdiv(kv_len, block_n) * block_n) if shared else layout(b * kv_heads)
     first_splits, first_len = layout(b // members * kv_heads) if shared else (0, 0)
     total = first_splits if shared else splits  # partial entries per (row, head)
-    direct = shared or total == 1
-    parts = b * kv_heads * total * bg if shared or not direct else 0
+    direct = shared or total == 1  # the last partial launch writes the output
+    parts = b * kv_heads * total * bg if shared or total > 1 else 0
     m = torch.empty(parts, device=q.device, dtype=torch.float32)
     lsum = torch.empty_like(m)
     acc = torch.empty(parts, dim, device=q.device, dtype=torch.float32)
