@@ -160,6 +160,36 @@ def test_update_weights_matches_new_model(engine: FastEngine) -> None:
         engine.update_weights(tiny_llama(0))
 
 
+def test_partial_updates_fold_norm_weights(engine: FastEngine) -> None:
+    """Norm weights live folded into their projections: a projection alone is folded with the
+    current norm weight; a norm weight without all its projections is refused before anything is
+    written."""
+    ids, mask = left_padded()
+    other = tiny_llama(0)
+    p = "model.layers.1."
+    with torch.no_grad():
+        other.model.layers[1].mlp.up_proj.weight.mul_(-2.0)
+        other.model.layers[1].post_attention_layernorm.weight.uniform_(0.5, 1.5)
+    new = other.state_dict()
+    before = [t.clone() for t in (engine.weights.wgu[1], engine.weights.ln2[1])]
+    try:
+        with pytest.raises(
+            ConfigError, match=f"{p}post_attention_layernorm.weight is folded into {p}mlp.gate_proj"
+        ):
+            engine.update_weights(
+                {k: new[k] for k in (p + "post_attention_layernorm.weight", p + "mlp.up_proj.weight")}
+            )
+        assert torch.equal(engine.weights.wgu[1], before[0]) and torch.equal(engine.weights.ln2[1], before[1])
+        engine.update_weights({p + "mlp.up_proj.weight": new[p + "mlp.up_proj.weight"]})  # projection alone
+        with torch.no_grad():
+            other.model.layers[1].post_attention_layernorm.weight.copy_(before[1])
+        ours = engine.generate(ids, mask, SamplingParams(6, greedy=True))
+        ref = response_logprobs(other, ids, mask, ours.tokens, torch.ones_like(ours.tokens))
+        assert torch.allclose(ours.logprobs, ref, atol=TOL)
+    finally:
+        engine.update_weights(tiny_llama(0))
+
+
 def test_fast_generator_matches_generated_layout(
     model: LlamaForCausalLM, engine: FastEngine, chat_tokenizer
 ) -> None:  # type: ignore[no-untyped-def]
@@ -270,6 +300,79 @@ def test_fused_decode_prologue_in_interpreter() -> None:
     stdout = in_interpreter(CHECK_PROLOGUE)
     assert "SHAPE (3, 2, 2, 16) CHANGED 6 True" in stdout  # rows 0-2 x 2 heads, slot 7 only
     assert float(stdout.split("MAXERR")[1]) < 1e-6
+
+
+CHECK_NORM_KERNELS = """
+import torch
+from megalith_chat.engine import fast_mlp, fast_ops
+from megalith_chat.engine.fast_prologue import rope_store, rope_store_reference
+g = torch.Generator().manual_seed(0)
+b, heads, kv, d, t, hidden = 3, 6, 1, 16, 20, 40  # 8 heads: one program and one masked-off slot
+x = torch.randn(b, hidden, generator=g) * 3
+qkv = torch.randn(b, (heads + 2 * kv) * d, generator=g)
+bias = torch.randn((heads + 2 * kv) * d, generator=g)
+angle = torch.rand(b, d // 2, generator=g) * 6
+cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+caches = [torch.randn(b, kv, t, d, generator=g) for _ in range(2)]
+caches += [c.clone() for c in caches]
+slot = torch.tensor(3)
+q = rope_store(qkv, cos, sin, caches[0], caches[1], slot, kv, d, x, bias, 1e-5)
+scaled = qkv * fast_ops.rms_scale(x, 1e-5) + bias
+ref = rope_store_reference(scaled, cos, sin, caches[2], caches[3], slot, kv, d)
+print("PROLOGUE", max(float((q - ref).abs().max()), *(float((a - c).abs().max()) for a, c in zip(caches[:2], caches[2:]))))
+gate_up = torch.randn(b, 2 * 600, generator=g)  # I = 600: two programs per row, the second partly masked
+out = fast_mlp.norm_silu_mul(gate_up, x, 1e-5)
+print("SILU", float((out - fast_ops.norm_silu_mul(gate_up, x, 1e-5)).abs().max()))
+"""
+
+
+def test_norm_folded_kernels_in_interpreter() -> None:
+    """The prologue with the input norm's ``1 / rms(x)`` and a QKV bias (hidden 40, not a power of
+    two; 8 heads per program, one of them past the end) and the norm + SwiGLU activation kernel
+    (a partly masked block) against their torch references."""
+    stdout = in_interpreter(CHECK_NORM_KERNELS)
+    assert float(stdout.split("PROLOGUE")[1].split()[0]) < 1e-5
+    assert float(stdout.split("SILU")[1].split()[0]) < 1e-5
+
+
+CHECK_FUSED_ENGINE = """
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from megalith_chat.engine.fast import FastEngine, FastEngineConfig
+from megalith_chat.engine.sampling import SamplingParams
+from megalith_chat.rollout.generation import response_logprobs
+cfg = Qwen2Config(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=64, max_position_embeddings=128, pad_token_id=0,
+                  bos_token_id=None, eos_token_id=None)
+cfg._attn_implementation = "sdpa"
+torch.manual_seed(0)
+model = Qwen2ForCausalLM(cfg).eval()  # QKV biases
+with torch.no_grad():
+    for layer in model.model.layers:  # norm weights away from 1, so that folding them matters
+        layer.input_layernorm.weight.uniform_(0.5, 1.5)
+        layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
+engine = FastEngine(model, FastEngineConfig(max_batch=4, max_len=24, attention="triton"), device="cpu")
+engine.fused_prologue = True  # the CUDA kernels, here in the interpreter
+ids = torch.randint(1, 64, (3, 5), generator=torch.Generator().manual_seed(1))
+mask = torch.ones_like(ids)
+mask[0, :2] = 0
+ids = ids.masked_fill(mask == 0, 0)
+out = engine.generate(ids, mask, SamplingParams(8, greedy=True))
+hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+print("TOKENS_EQUAL", torch.equal(out.tokens, hf[:, ids.shape[1]:]))
+with torch.no_grad():
+    ref = response_logprobs(model, ids, mask, out.tokens, torch.ones_like(out.tokens))
+print("MAXERR", float((out.logprobs - ref).abs().max()))
+"""
+
+
+def test_engine_with_fused_kernels_matches_hf() -> None:
+    """The engine's decode step with its CUDA kernels (norm-folded prologue and activation, Triton
+    attention; run in the interpreter) on a Qwen2 model with QKV biases and non-unit norm weights:
+    the greedy tokens of HF ``generate`` and the log-probs of a teacher-forced HF forward."""
+    stdout = in_interpreter(CHECK_FUSED_ENGINE, timeout=240)
+    assert "TOKENS_EQUAL True" in stdout
+    assert float(stdout.split("MAXERR")[1].split()[0]) < TOL
 
 
 CHECK_SHARED_PROMPT = """

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalith.common.errors import ConfigError
-from megalith_chat.engine import fast_ops
+from megalith_chat.engine import fast_mlp, fast_ops
 from megalith_chat.engine.fast_attention import choose_attention, decode_attention, shared_prompts_error
 from megalith_chat.engine.fast_prologue import rope_store, rope_store_reference, supported
 from megalith_chat.engine.fast_state import DecodeState
@@ -62,7 +62,7 @@ class FastEngineConfig:
     """Sizes and switches; ``dtype=None`` means bfloat16 on CUDA and float32 on CPU.
 
     ``cuda_graphs``, ``compile_ops`` (``torch.compile`` of the elementwise pieces) and
-    ``fused_prologue`` (:mod:`.fast_prologue`) apply on CUDA only. ``sync_every``: decode steps between host checks (stop strings, all rows finished).
+    ``fused_prologue`` (:mod:`.fast_prologue`, :mod:`.fast_mlp`) apply on CUDA only. ``sync_every``: decode steps between host checks (stop strings, all rows finished).
     """
 
     max_batch: int = 64
@@ -73,7 +73,9 @@ class FastEngineConfig:
     kv_block: int = 64
     sync_every: int = 16
     attention: str = "auto"  # decode attention: "sdpa", "triton" (split-KV kernel), "auto" = triton on CUDA
-    fused_prologue: bool = True  # CUDA: one Triton kernel splits QKV, applies RoPE and writes the cache
+    # CUDA: Triton kernels for the decode step's QKV prologue (1 / rms, bias, RoPE, cache write) and
+    # its MLP activation (1 / rms, SwiGLU)
+    fused_prologue: bool = True
     # Triton attention: a group's prompt is prefilled and read once. None (auto): where it pays
     # (module doc); True: at every batch (warns when unusable); False: never
     share_prompts: bool | None = None
@@ -186,10 +188,9 @@ class FastEngine:
         )
         mask = (causal.unsqueeze(0) & allowed).unsqueeze(1)  # pad queries attend to themselves only
         x = w.embed[ids]
-        h = ops.rms_norm(x, w.ln1[0], s.eps)
         q_width, kv_width = s.heads * s.head_dim, s.kv_heads * s.head_dim
         for i in range(s.layers):
-            qkv = F.linear(h, w.wqkv[i], w.bqkv[i])
+            qkv = ops.norm_linear(x, w.wqkv[i], w.bqkv[i], s.eps)
             q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
             q = ops.rotate(q.view(b, p, s.heads, s.head_dim).transpose(1, 2), cos, sin)
             k = ops.rotate(k.view(b, p, s.kv_heads, s.head_dim).transpose(1, 2), cos, sin)
@@ -200,11 +201,18 @@ class FastEngine:
             if group > 1:
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-            o = F.linear(attn.transpose(1, 2).reshape(b, p, q_width), w.wo[i], w.bo[i])
-            x, h = ops.add_rms_norm(x, o, w.ln2[i], s.eps)
-            m = F.linear(ops.silu_mul(F.linear(h, w.wgu[i])), w.wd[i])
-            x, h = ops.add_rms_norm(x, m, w.ln1[i + 1] if i + 1 < s.layers else w.norm, s.eps)
-        return F.linear(h[:, -1], w.lm_head)
+            x = self._residual(x, attn.transpose(1, 2).reshape(b, p, q_width), w.wo[i], w.bo[i])
+            x = self._residual(x, ops.norm_silu_mul(F.linear(x, w.wgu[i]), x, s.eps), w.wd[i], None)
+        return F.linear(ops.rms_norm(x[:, -1], w.norm, s.eps), w.lm_head)
+
+    @staticmethod
+    def _residual(
+        x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x + linear(a, weight, bias)``, the residual add inside the matmul (``x`` is overwritten)."""
+        flat = x.view(-1, x.shape[-1])
+        flat.addmm_(a.reshape(flat.shape[0], -1), weight.t())
+        return x if bias is None else x + bias
 
     def _decode_body(self, b: int, kv_len: int, filtered: bool, members: int = 1) -> None:
         """One decode step over static buffers (the graph-captured unit; see module doc)."""
@@ -212,13 +220,13 @@ class FastEngine:
         x, cos, sin, mask = ops.decode_prelude(
             st.tok[:b], st.slot, st.start[:b], w.embed, self._cos, self._sin, st.arange[:kv_len]
         )
-        h = ops.rms_norm(x, w.ln1[0], s.eps)
         for i in range(s.layers):
             kc, vc = self.k_cache[i, :b], self.v_cache[i, :b]
-            qkv = F.linear(h, w.wqkv[i], w.bqkv[i])
             if self.fused_prologue:
-                q = rope_store(qkv, cos, sin, kc, vc, st.slot, s.kv_heads, s.head_dim)
+                qkv = F.linear(x, w.wqkv[i])
+                q = rope_store(qkv, cos, sin, kc, vc, st.slot, s.kv_heads, s.head_dim, x, w.bqkv[i], s.eps)
             else:
+                qkv = ops.norm_linear(x, w.wqkv[i], w.bqkv[i], s.eps)
                 q = rope_store_reference(
                     qkv, cos, sin, kc, vc, st.slot, s.kv_heads, s.head_dim, ops.split_rope_decode
                 )
@@ -237,10 +245,10 @@ class FastEngine:
                 attn = F.scaled_dot_product_attention(
                     q, kc[:, :, :kv_len], vc[:, :, :kv_len], attn_mask=mask, scale=self.scale
                 )
-            x, h = ops.add_rms_norm(x, F.linear(attn.reshape(b, -1), w.wo[i], w.bo[i]), w.ln2[i], s.eps)
-            m = F.linear(ops.silu_mul(F.linear(h, w.wgu[i])), w.wd[i])
-            x, h = ops.add_rms_norm(x, m, w.ln1[i + 1] if i + 1 < s.layers else w.norm, s.eps)
-        self._emit(F.linear(h, w.lm_head), b, filtered)
+            x = self._residual(x, attn.reshape(b, -1), w.wo[i], w.bo[i])
+            norm_silu_mul = fast_mlp.norm_silu_mul if self.fused_prologue else ops.norm_silu_mul
+            x = self._residual(x, norm_silu_mul(F.linear(x, w.wgu[i]), x, s.eps), w.wd[i], None)
+        self._emit(F.linear(ops.rms_norm(x, w.norm, s.eps), w.lm_head), b, filtered)
 
     def _emit(self, logits: torch.Tensor, b: int, filtered: bool) -> None:
         """Sample, mask finished rows, record token + log-prob at column ``ridx``, advance counters."""

@@ -5,7 +5,9 @@ query heads share one key/value head, GQA), ``hidden`` model width, ``I`` MLP wi
 The functions reproduce Hugging Face's Llama/Qwen2/Mistral modules:
 
 * RMSNorm (Zhang & Sennrich 2019): ``w * (x / sqrt(mean(x^2) + eps))`` computed in float32 and
-  cast back before the weight multiply, as HF does;
+  cast back before the weight multiply, as HF does; inside the layers ``w`` is folded into the next
+  projection (:mod:`.fast_weights`) and ``1 / rms(x)`` applied to its output (:func:`norm_linear`,
+  :func:`norm_silu_mul`);
 * rotary embedding (Su et al. 2021, "rotate half" layout): ``x cos + rotate_half(x) sin`` with
   ``cos``/``sin`` taken from the model's own ``rotary_emb`` (so RoPE scaling variants carry over);
 * SwiGLU MLP (Shazeer 2020): ``W_down (silu(W_gate x) * W_up x)``.
@@ -27,12 +29,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def add_rms_norm(
-    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Residual add then norm: ``(x + delta, rms_norm(x + delta))``."""
-    s = x + delta
-    return s, rms_norm(s, weight, eps)
+def rms_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``1 / sqrt(mean(x^2) + eps)`` per row, float32 ``[..., 1]``."""
+    return torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+
+
+def norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``linear(rms_norm(x, w), W, b)`` with ``weight = W diag(w)`` (the norm weight folded in, see
+    :mod:`.fast_weights`): ``(x W'^T) / rms(x) + b``."""
+    out = (F.linear(x, weight).float() * rms_scale(x, eps)).to(x.dtype)
+    return out if bias is None else out + bias
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -58,10 +64,12 @@ def split_rope_decode(
     return q.contiguous(), k.contiguous(), v.reshape(b, kv_heads, 1, head_dim).contiguous()
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``[..., 2I]`` -> ``silu(gate) * up`` of shape ``[..., I]``."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+def norm_silu_mul(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """SwiGLU of ``gate_up = x W_gu'^T`` (``[..., 2I]``, the norm weight folded into ``W_gu'``):
+    ``silu(gate / rms(x)) * up / rms(x)`` of shape ``[..., I]``."""
+    scale = rms_scale(x, eps)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate * scale) * (up * scale)).to(gate_up.dtype)
 
 
 def decode_prelude(
@@ -90,10 +98,10 @@ class Ops:
     """The per-step functions, eager or each wrapped by ``torch.compile`` (fused elementwise)."""
 
     rms_norm: Callable[..., torch.Tensor]
+    norm_linear: Callable[..., torch.Tensor]
     rotate: Callable[..., torch.Tensor]
-    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     split_rope_decode: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    silu_mul: Callable[..., torch.Tensor]
+    norm_silu_mul: Callable[..., torch.Tensor]
     decode_prelude: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
     sample: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -101,7 +109,7 @@ class Ops:
     def make(cls, compiled: bool) -> Ops:
         from megalith_chat.engine.sampling import sample_tokens
 
-        fns = (rms_norm, rotate, add_rms_norm, split_rope_decode, silu_mul, decode_prelude, sample_tokens)
+        fns = (rms_norm, norm_linear, rotate, split_rope_decode, norm_silu_mul, decode_prelude, sample_tokens)
         if compiled:
             fns = tuple(torch.compile(f, dynamic=True) for f in fns)  # type: ignore[assignment]
         return cls(*fns)

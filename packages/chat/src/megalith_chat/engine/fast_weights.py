@@ -5,6 +5,15 @@ saves kernels: per layer ``wqkv = [W_q; W_k; W_v]`` (``[(H + 2 KV) * D, hidden]`
 ``wgu = [W_gate; W_up]`` (``[2 I, hidden]``). Every HF parameter name maps to a *view* of this
 storage, so :meth:`EngineWeights.load` copies into the existing tensors: pointers never change and
 captured CUDA graphs stay valid after a weight update.
+
+**Norm weights are folded into the projections they feed.** ``W (w * x / rms(x)) = (W diag(w)) x /
+rms(x)``, so ``wqkv`` holds ``W_qkv diag(w_input_layernorm)`` and ``wgu`` holds ``W_gu
+diag(w_post_attention_layernorm)`` (the product rounded once to the storage dtype). The engine then
+projects the un-normalised residual stream and applies the per-row ``1 / rms(x)`` in the kernel that
+consumes the projection, which removes both norm kernels of every layer from the decode step. The
+final norm is not folded (the LM head may be tied to the embedding). A norm weight can therefore only
+be updated together with the projections it folds into; a projection alone is folded with the
+current norm weight.
 """
 
 from __future__ import annotations
@@ -152,22 +161,49 @@ class EngineWeights:
             name = f"model.layers.{m.group(1)}.{m.group(2)}"
         return name
 
+    def folds(self) -> dict[str, tuple[str, ...]]:
+        """Norm weight name -> the projection weight names it is folded into."""
+        out = {}
+        for i in range(self.shape.layers):
+            p = f"model.layers.{i}."
+            out[p + "input_layernorm.weight"] = tuple(p + f"self_attn.{n}_proj.weight" for n in "qkv")
+            out[p + "post_attention_layernorm.weight"] = (
+                p + "mlp.gate_proj.weight",
+                p + "mlp.up_proj.weight",
+            )
+        return out
+
     @torch.no_grad()
     def load(self, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy HF-named tensors into the existing storage (in place); returns how many were copied.
+        """Copy HF-named tensors into the existing storage (in place), folding norm weights into their
+        projections; returns how many were copied.
 
-        Unknown names or wrong shapes raise :class:`ConfigError` naming the parameter.
+        Everything is checked before anything is written: an unknown name, a wrong shape, or a norm
+        weight without all of its projections raises :class:`ConfigError` naming the parameter.
         """
         items = named.items() if isinstance(named, Mapping) else named
-        count = 0
+        given: dict[str, torch.Tensor] = {}
         for name, tensor in items:
-            dest = self.views.get(self.canonical(name))
+            key = self.canonical(name)
+            dest = self.views.get(key)
             if dest is None:
                 raise ConfigError(f"the fast engine has no parameter {name!r}")
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ConfigError(
                     f"parameter {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
                 )
-            dest.copy_(tensor.detach(), non_blocking=True)
-            count += 1
-        return count
+            given[key] = tensor.detach()
+        folded = {}  # projection name -> its norm weight name
+        for norm, projections in self.folds().items():
+            missing = [p for p in projections if p not in given]
+            if norm in given and missing:
+                raise ConfigError(f"{norm} is folded into {', '.join(missing)}: update it together with them")
+            folded.update((p, norm) for p in projections)
+        for key, tensor in given.items():
+            if key not in folded:
+                self.views[key].copy_(tensor, non_blocking=True)
+        for key, tensor in given.items():
+            if key in folded:
+                norm = self.views[folded[key]]
+                self.views[key].copy_(tensor.to(norm.device, torch.float32) * norm.float())
+        return len(given)
