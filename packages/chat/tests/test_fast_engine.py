@@ -335,6 +335,58 @@ def test_norm_folded_kernels_in_interpreter() -> None:
     assert float(stdout.split("SILU")[1].split()[0]) < 1e-5
 
 
+CHECK_SAMPLER = """
+import torch
+from megalith_chat.engine import fast_sample
+from megalith_chat.engine.fast_state import DecodeState
+from megalith_chat.engine.sampling import SamplingParams
+g = torch.Generator().manual_seed(0)
+b, vocab = 600, 40
+kernels = fast_sample.make_kernels(block=32)  # 2 chunks, the second partly masked
+logits = (torch.randn(vocab, generator=g) * 2).expand(b, vocab).contiguous()
+eos = int(logits[0].argsort()[-2])  # the second most likely token
+st = DecodeState(b, 4, vocab, torch.device("cpu"))
+ids = torch.ones(b, 1, dtype=torch.long)
+st.prepare(ids, torch.ones_like(ids), b, SamplingParams(4, temperature=0.5), (eos,), 3)
+st.seed.fill_(1234)
+st.greedy[:4] = True
+st.inv_t[:4] = 1.0
+st.done[4:8] = True
+fast_sample.sample_step(logits, st, b, kernels)
+tok, lp = st.out_tok[:, 0].clone(), st.out_lp[:, 0].clone()
+ref = torch.log_softmax(logits * st.inv_t, -1).gather(1, tok[:, None])[:, 0]
+live = torch.ones(b, dtype=torch.bool)
+live[4:8] = False
+print("GREEDY", bool((tok[:4] == logits[0].argmax()).all()))
+print("FINISHED", bool((tok[4:8] == 3).all() and (lp[4:8] == 0).all()))
+print("LPERR", float((lp - ref)[live].abs().max()))
+print("EOS", bool(torch.equal(st.done[8:], tok[8:] == eos)), int((tok[8:] == eos).sum()) > 0)
+print("TOK", bool(torch.equal(st.tok, tok)))
+freq = torch.bincount(tok[8:], minlength=vocab).float() / (b - 8)
+print("TV", float((freq - torch.softmax(logits[0] * 2, -1)).abs().sum() / 2))
+st.done[8:] = False
+small = 64  # the same key again, then the next column, on fewer rows
+fast_sample.sample_step(logits[:small], st, small, kernels)
+print("SAME", bool(torch.equal(st.out_tok[8:small, 0], tok[8:small])))
+st.ridx.fill_(1)
+fast_sample.sample_step(logits[:small], st, small, kernels)
+print("NEXT", float((st.out_tok[8:small, 1] != tok[8:small]).float().mean()))
+"""
+
+
+def test_fused_sampler_in_interpreter() -> None:
+    """The Philox + Gumbel-max sampler (two vocabulary chunks) against the distribution it must
+    draw from (temperature 0.5, 592 draws: total variation < 0.12, about twice the expected sampling
+    error; temperature 1 instead of 0.5 is 0.37 away), exact log-probs, greedy and finished rows, the
+    end-of-sequence bookkeeping, the same draw for the same key and another for the next column."""
+    stdout = in_interpreter(CHECK_SAMPLER, timeout=240)
+    assert "GREEDY True" in stdout and "FINISHED True" in stdout and "TOK True" in stdout
+    assert "EOS True True" in stdout and "SAME True" in stdout
+    assert float(stdout.split("LPERR")[1].split()[0]) < 1e-5
+    assert float(stdout.split("TV")[1].split()[0]) < 0.12
+    assert float(stdout.split("NEXT")[1].split()[0]) > 0.5
+
+
 CHECK_FUSED_ENGINE = """
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -352,7 +404,7 @@ with torch.no_grad():
         layer.input_layernorm.weight.uniform_(0.5, 1.5)
         layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
 engine = FastEngine(model, FastEngineConfig(max_batch=4, max_len=24, attention="triton"), device="cpu")
-engine.fused_prologue = True  # the CUDA kernels, here in the interpreter
+engine.fused_prologue = engine.fused_sampling = True  # the CUDA kernels, here in the interpreter
 ids = torch.randint(1, 64, (3, 5), generator=torch.Generator().manual_seed(1))
 mask = torch.ones_like(ids)
 mask[0, :2] = 0
@@ -363,16 +415,25 @@ print("TOKENS_EQUAL", torch.equal(out.tokens, hf[:, ids.shape[1]:]))
 with torch.no_grad():
     ref = response_logprobs(model, ids, mask, out.tokens, torch.ones_like(out.tokens))
 print("MAXERR", float((out.logprobs - ref).abs().max()))
+params = SamplingParams(8, temperature=0.7)
+drawn = [engine.generate(ids, mask, params, generator=torch.Generator().manual_seed(s)) for s in (3, 3, 4)]
+with torch.no_grad():
+    ref = response_logprobs(model, ids, mask, drawn[0].tokens, torch.ones_like(drawn[0].tokens), 0.7)
+print("SAMPLED_MAXERR", float((drawn[0].logprobs - ref).abs().max()))
+print("REPRODUCED", torch.equal(drawn[0].tokens, drawn[1].tokens), not torch.equal(drawn[0].tokens, drawn[2].tokens))
 """
 
 
 def test_engine_with_fused_kernels_matches_hf() -> None:
     """The engine's decode step with its CUDA kernels (norm-folded prologue and activation, Triton
-    attention; run in the interpreter) on a Qwen2 model with QKV biases and non-unit norm weights:
-    the greedy tokens of HF ``generate`` and the log-probs of a teacher-forced HF forward."""
+    attention, fused sampler; run in the interpreter) on a Qwen2 model with QKV biases and non-unit
+    norm weights: the greedy tokens of HF ``generate``, the log-probs of a teacher-forced HF forward
+    (greedy, and sampled at temperature 0.7), the same draw again from the same generator seed."""
     stdout = in_interpreter(CHECK_FUSED_ENGINE, timeout=240)
     assert "TOKENS_EQUAL True" in stdout
     assert float(stdout.split("MAXERR")[1].split()[0]) < TOL
+    assert float(stdout.split("SAMPLED_MAXERR")[1].split()[0]) < TOL
+    assert "REPRODUCED True True" in stdout
 
 
 CHECK_SHARED_PROMPT = """

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalith.common.errors import ConfigError
-from megalith_chat.engine import fast_mlp, fast_ops
+from megalith_chat.engine import fast_mlp, fast_ops, fast_sample
 from megalith_chat.engine.fast_attention import choose_attention, decode_attention, shared_prompts_error
 from megalith_chat.engine.fast_prologue import rope_store, rope_store_reference, supported
 from megalith_chat.engine.fast_state import DecodeState
@@ -62,7 +62,8 @@ class FastEngineConfig:
     """Sizes and switches; ``dtype=None`` means bfloat16 on CUDA and float32 on CPU.
 
     ``cuda_graphs``, ``compile_ops`` (``torch.compile`` of the elementwise pieces) and
-    ``fused_prologue`` (:mod:`.fast_prologue`, :mod:`.fast_mlp`) apply on CUDA only. ``sync_every``: decode steps between host checks (stop strings, all rows finished).
+    ``fused_prologue`` (:mod:`.fast_prologue`, :mod:`.fast_mlp`) and ``fused_sampling``
+    (:mod:`.fast_sample`) apply on CUDA only. ``sync_every``: decode steps between host checks (stop strings, all rows finished).
     """
 
     max_batch: int = 64
@@ -76,6 +77,8 @@ class FastEngineConfig:
     # CUDA: Triton kernels for the decode step's QKV prologue (1 / rms, bias, RoPE, cache write) and
     # its MLP activation (1 / rms, SwiGLU)
     fused_prologue: bool = True
+    # CUDA: unfiltered sampling (no top-k / top-p) by two Triton kernels with in-kernel Philox noise
+    fused_sampling: bool = True
     # Triton attention: a group's prompt is prefilled and read once. None (auto): where it pays
     # (module doc); True: at every batch (warns when unusable); False: never
     share_prompts: bool | None = None
@@ -121,6 +124,7 @@ class FastEngine:
         self.compiled_ops = cuda and self.config.compile_ops
         self.attention = choose_attention(self.config.attention, self.device, self.shape.head_dim)
         self.fused_prologue = cuda and self.config.fused_prologue and supported(self.shape.head_dim)
+        self.fused_sampling = cuda and self.config.fused_sampling
         self.share_prompts = self.config.share_prompts is not False and self._sharing_works()
         self._graphs: dict[tuple[int, int, bool, int], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
@@ -253,16 +257,19 @@ class FastEngine:
     def _emit(self, logits: torch.Tensor, b: int, filtered: bool) -> None:
         """Sample, mask finished rows, record token + log-prob at column ``ridx``, advance counters."""
         st = self.state
-        extra = (st.top_p[:b], st.top_k[:b]) if filtered else ()
-        tok, lp = self.ops.sample(logits, st.inv_t[:b], st.greedy[:b], st.noise[:b], *extra)
-        done = st.done[:b]
-        tok = torch.where(done, st.pad, tok)
-        lp = lp.masked_fill(done, 0.0)
-        done.logical_or_(torch.isin(tok, st.eos))
-        col = st.ridx.view(1)
-        st.out_tok[:b].index_copy_(1, col, tok.unsqueeze(1))
-        st.out_lp[:b].index_copy_(1, col, lp.unsqueeze(1))
-        st.tok[:b].copy_(tok)
+        if self.fused_sampling and not filtered:
+            fast_sample.sample_step(logits, st, b)
+        else:
+            extra = (st.top_p[:b], st.top_k[:b]) if filtered else ()
+            tok, lp = self.ops.sample(logits, st.inv_t[:b], st.greedy[:b], st.noise[:b], *extra)
+            done = st.done[:b]
+            tok = torch.where(done, st.pad, tok)
+            lp = lp.masked_fill(done, 0.0)
+            done.logical_or_(torch.isin(tok, st.eos))
+            col = st.ridx.view(1)
+            st.out_tok[:b].index_copy_(1, col, tok.unsqueeze(1))
+            st.out_lp[:b].index_copy_(1, col, lp.unsqueeze(1))
+            st.tok[:b].copy_(tok)
         st.slot.add_(1)
         st.ridx.add_(1)
 
@@ -367,14 +374,16 @@ class FastEngine:
         logits = logits.repeat_interleave(members, 0) if members > 1 else logits
         st.slot.fill_(width - 1)
         st.prompt_end.fill_(width)
-        sampling = not params.greedy
-        if sampling:
+        noise = not params.greedy and not (self.fused_sampling and not params.filtered)
+        if self.fused_sampling:  # the fused sampler's Philox key for this call
+            st.seed.copy_(torch.randint(0, 2**62, (), generator=generator, device=self.device))
+        if noise:
             st.noise[:b].exponential_(generator=generator)
         self._emit(logits, b, params.filtered)
         steps = params.max_new_tokens
         watch = bool(eos_ids) or on_sync is not None
         for k in range(1, params.max_new_tokens):
-            if sampling:
+            if noise:
                 st.noise[:b].exponential_(generator=generator)
             kv_len = min(-(-(width + k) // self.config.kv_block) * self.config.kv_block, self.max_len)
             self._step(b, kv_len, params.filtered, members)

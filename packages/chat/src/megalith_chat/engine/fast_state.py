@@ -22,6 +22,7 @@ class DecodeState:
     * ``tok [B]`` next input token; ``start [B]`` first prompt slot of each row (left padding);
     * ``slot`` (0-d) cache slot of ``tok``; ``ridx`` (0-d) output column of the next sample;
       ``prompt_end`` (0-d) the prompt width ``P`` (where rows sharing a prompt start to differ);
+      ``seed`` (0-d) the call's Philox seed (:mod:`.fast_sample`);
     * ``inv_t, top_p [B, 1]`` float, ``top_k [B, 1]`` long, ``greedy [B]`` bool, ``noise [B, V]``;
     * ``done [B]`` bool; ``out_tok [B, max_len]`` long and ``out_lp [B, max_len]`` float32.
     """
@@ -33,6 +34,7 @@ class DecodeState:
         self.slot = torch.zeros((), dtype=torch.long, **kw)  # type: ignore[arg-type]
         self.ridx = torch.zeros((), dtype=torch.long, **kw)  # type: ignore[arg-type]
         self.prompt_end = torch.zeros((), dtype=torch.long, **kw)  # type: ignore[arg-type]
+        self.seed = torch.zeros((), dtype=torch.long, **kw)  # type: ignore[arg-type]
         self.pad = torch.zeros((), dtype=torch.long, **kw)  # type: ignore[arg-type]
         self.eos = torch.full((MAX_EOS,), -1, dtype=torch.long, **kw)  # type: ignore[arg-type]
         self.inv_t = torch.ones(b, 1, **kw)  # type: ignore[arg-type]
