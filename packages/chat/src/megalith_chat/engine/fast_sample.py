@@ -3,9 +3,10 @@
 Sampling by the Gumbel-max trick: ``argmax_i z_i + g_i`` with ``z = logits / T`` and i.i.d.
 ``g_i = -log(-log u_i)``, ``u_i ~ U(0, 1)``, is distributed as ``Categorical(softmax(z))`` (the
 exponential race of :mod:`.sampling` in log space: ``g = -log E`` with ``E ~ Exp(1)``). The
-uniforms come from Philox inside the kernel, keyed by ``seed + ridx`` (the call's seed, drawn from
-its generator, plus the output column) and counted by ``row * V + i``: no noise tensor is written
-or read, and runs with the same generator state draw the same tokens.
+uniforms come from Philox inside the kernel (four per call), keyed by ``seed + ridx`` (the call's
+seed, drawn from its generator, plus the output column) and counted by position in the row's
+chunks: no noise tensor is written or read, and runs with the same generator state draw the same
+tokens.
 
 * ``chunk`` (grid ``b x C``, ``C = V / BLOCK``): per vocabulary chunk the online-softmax partials
   ``m = max z``, ``l = sum exp(z - m)``, the best ``z + g`` and its index, and the largest raw
@@ -31,7 +32,7 @@ import torch
 if TYPE_CHECKING:
     from megalith_chat.engine.fast_state import DecodeState
 
-BLOCK = 2048  # vocabulary entries per chunk program
+BLOCK = 2048  # vocabulary entries per chunk program (a multiple of 4)
 
 
 def make_kernels(block: int = BLOCK) -> tuple[Any, Any, int]:
@@ -44,16 +45,21 @@ def make_kernels(block: int = BLOCK) -> tuple[Any, Any, int]:
               BLOCK: tl.constexpr):  # fmt: skip
         r = tl.program_id(0)
         c = tl.program_id(1)
-        i = c * BLOCK + tl.arange(0, BLOCK)
+        # the chunk as 4 quarters [4, Q], so that one Philox call gives the 4 uniforms of a column
+        quarter = tl.arange(0, 4)[:, None]
+        j = tl.arange(0, BLOCK // 4)[None, :]
+        i = c * BLOCK + quarter * (BLOCK // 4) + j
         live = i < vocab
         raw = tl.load(logits_ptr + r.to(tl.int64) * s_logits + i, mask=live, other=float("-inf"))
-        raw = raw.to(tl.float32)
+        raw = tl.reshape(raw.to(tl.float32), [BLOCK])
         z = raw * tl.load(inv_t_ptr + r)
         m = tl.max(z, axis=0)
         lsum = tl.sum(tl.exp(z - m), axis=0)
         seed = tl.load(seed_ptr) + tl.load(ridx_ptr)
-        u = tl.maximum(tl.rand(seed, r * vocab + i), 1e-30)
-        score = tl.where(live, z - tl.log(-tl.log(u)), float("-inf"))
+        u0, u1, u2, u3 = tl.rand4x(seed, (r * num_chunks + c) * (BLOCK // 4) + j)
+        u = tl.where(quarter == 0, u0, tl.where(quarter == 1, u1, tl.where(quarter == 2, u2, u3)))
+        u = tl.reshape(tl.maximum(u, 1e-30), [BLOCK])
+        score = tl.where(tl.reshape(live, [BLOCK]), z - tl.log(-tl.log(u)), float("-inf"))
         part = (r * num_chunks + c).to(tl.int64)
         tl.store(pf_ptr + part * 4 + 0, m)
         tl.store(pf_ptr + part * 4 + 1, lsum)
@@ -106,11 +112,11 @@ def sample_step(
     them (see the module doc); ``st.slot`` and ``st.ridx`` are left for the caller to advance."""
     chunk, finish, block = kernels or _kernels()
     vocab = logits.shape[1]
-    if b * vocab >= 2**31:
+    chunks = -(-vocab // block)
+    if b * chunks * block // 4 >= 2**31:
         raise ValueError(
             f"fused sampling counts Philox offsets in int32: {b} rows x {vocab} tokens is too many"
         )
-    chunks = -(-vocab // block)
     pf = torch.empty(b, chunks, 4, device=logits.device, dtype=torch.float32)
     pi = torch.empty(b, chunks, 2, device=logits.device, dtype=torch.int32)
     chunk[(b, chunks)](
