@@ -335,6 +335,44 @@ def test_norm_folded_kernels_in_interpreter() -> None:
     assert float(stdout.split("SILU")[1].split()[0]) < 1e-5
 
 
+CHECK_ATTENTION_PROLOGUE = """
+import torch
+from megalith_chat.engine import fast_ops
+from megalith_chat.engine.fast_attention import Prologue, decode_attention
+from megalith_chat.engine.fast_prologue import rope_store_reference
+g = torch.Generator().manual_seed(0)
+b, kv, group, d, t, hidden = 3, 2, 3, 16, 96, 40
+width = (kv * group + 2 * kv) * d
+x = torch.randn(b, hidden, generator=g) * 3
+qkv, bias = torch.randn(b, width, generator=g), torch.randn(width, generator=g)
+angle = torch.rand(b, d // 2, generator=g) * 6
+cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+start, slot = torch.tensor([0, 5, 40]), torch.tensor(70)
+ar = torch.arange(90)
+mask = ((ar >= start[:, None]) & (ar <= slot))[:, None, None]
+caches = [torch.randn(b, kv, t, d, generator=g) for _ in range(2)]
+ref_caches = [c.clone() for c in caches]
+scaled = qkv * fast_ops.rms_scale(x, 1e-5) + bias
+q = rope_store_reference(scaled, cos, sin, ref_caches[0], ref_caches[1], slot, kv, d)
+ref = torch.nn.functional.scaled_dot_product_attention(q, ref_caches[0][:, :, :90], ref_caches[1][:, :, :90],
+                                                       attn_mask=mask, scale=0.3)
+for programs in (24, 1):  # three splits of the key range, or one
+    got = [c.clone() for c in caches]
+    out = decode_attention(Prologue(qkv, cos, sin, x, bias, 1e-5), got[0][:, :, :90], got[1][:, :, :90],
+                           start, slot, 0.3, target_programs=programs)
+    print("MAXERR", max(float((out - ref).abs().max()), *(float((a - r).abs().max()) for a, r in zip(got, ref_caches))))
+"""
+
+
+def test_attention_with_the_prologue_in_interpreter() -> None:
+    """The attention kernel finishing the QKV projection itself (1 / rms, bias, RoPE for 3 query
+    heads per KV head, the step's key and value into the cache and attended from registers) against
+    the torch prologue + SDPA, with the key range in three splits and in one."""
+    stdout = in_interpreter(CHECK_ATTENTION_PROLOGUE)
+    errors = [float(line.split()[1]) for line in stdout.splitlines() if line.startswith("MAXERR")]
+    assert len(errors) == 2 and max(errors) < 1e-5
+
+
 CHECK_SAMPLER = """
 import torch
 from megalith_chat.engine import fast_sample

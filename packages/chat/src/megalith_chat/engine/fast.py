@@ -43,7 +43,12 @@ from torch import nn
 
 from megalith.common.errors import ConfigError
 from megalith_chat.engine import fast_mlp, fast_ops, fast_sample
-from megalith_chat.engine.fast_attention import choose_attention, decode_attention, shared_prompts_error
+from megalith_chat.engine.fast_attention import (
+    Prologue,
+    choose_attention,
+    decode_attention,
+    shared_prompts_error,
+)
 from megalith_chat.engine.fast_prologue import rope_store, rope_store_reference, supported
 from megalith_chat.engine.fast_state import DecodeState
 from megalith_chat.engine.fast_weights import EngineWeights, ModelShape, effective_weights, unwrap_peft
@@ -224,9 +229,13 @@ class FastEngine:
         x, cos, sin, mask = ops.decode_prelude(
             st.tok[:b], st.slot, st.start[:b], w.embed, self._cos, self._sin, st.arange[:kv_len]
         )
+        in_attention = self.attention == "triton" and self.fused_prologue and members == 1
         for i in range(s.layers):
-            kc, vc = self.k_cache[i, :b], self.v_cache[i, :b]
-            if self.fused_prologue:
+            kc, vc = self.k_cache[i, :b, :, :kv_len], self.v_cache[i, :b, :, :kv_len]
+            q: torch.Tensor | Prologue
+            if in_attention:  # the attention kernel rotates q and writes k, v itself
+                q = Prologue(F.linear(x, w.wqkv[i]), cos, sin, x, w.bqkv[i], s.eps)
+            elif self.fused_prologue:
                 qkv = F.linear(x, w.wqkv[i])
                 q = rope_store(qkv, cos, sin, kc, vc, st.slot, s.kv_heads, s.head_dim, x, w.bqkv[i], s.eps)
             else:
@@ -236,19 +245,11 @@ class FastEngine:
                 )
             if self.attention == "triton":
                 attn = decode_attention(
-                    q,
-                    kc[:, :, :kv_len],
-                    vc[:, :, :kv_len],
-                    st.start[:b],
-                    st.slot,
-                    self.scale,
-                    members=members,
-                    prompt_end=st.prompt_end,
+                    q, kc, vc, st.start[:b], st.slot, self.scale, members=members, prompt_end=st.prompt_end
                 )
             else:
-                attn = F.scaled_dot_product_attention(
-                    q, kc[:, :, :kv_len], vc[:, :, :kv_len], attn_mask=mask, scale=self.scale
-                )
+                assert isinstance(q, torch.Tensor)
+                attn = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scale)
             x = self._residual(x, attn.reshape(b, -1), w.wo[i], w.bo[i])
             norm_silu_mul = fast_mlp.norm_silu_mul if self.fused_prologue else ops.norm_silu_mul
             x = self._residual(x, norm_silu_mul(F.linear(x, w.wgu[i]), x, s.eps), w.wd[i], None)

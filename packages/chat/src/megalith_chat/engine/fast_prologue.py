@@ -3,7 +3,8 @@ rotate q and k (RoPE, HF "rotate half" layout) and write k and v into cache slot
 
 Unfused that is a split, two rotary kernels, a ``contiguous`` and two ``index_copy_`` per layer —
 six tiny launches whose fixed cost dominates at decode sizes (a few microseconds each against
-kilobytes of data). It also applies the input norm's ``1 / rms(x)`` (whose weight is folded into the
+kilobytes of data). The unshared decode path leaves this work to the attention kernel itself
+(:class:`.fast_attention.Prologue`); this kernel serves the shared-prompt path. It also applies the input norm's ``1 / rms(x)`` (whose weight is folded into the
 projection, :mod:`.fast_weights`) and the QKV bias, so the layer needs no norm kernel. Grid
 ``(b, (H + 2 KV) / PER_PROGRAM)``: program ``(r, c)`` moves heads ``c PER .. (c + 1) PER - 1`` of
 row ``r`` (query heads first, then key heads, then value heads), ``D`` values each.
