@@ -8,7 +8,9 @@ measures, per projection (qkv, o, gate_up, down) and rows, the microseconds per 
 * ``linear_t``: ``x @ W_t``, the weight stored transposed (``W_t [K, N]`` row-major);
 * ``bias``: ``F.linear(x, W, 0)``, a zero bias (cuBLASLt with a bias epilogue);
 * ``addmm``: ``y.addmm_(x, W.t())``, the residual add inside the matmul (o and down, the engine's
-  current form), and ``addmm_t`` with the transposed storage.
+  current form), and ``addmm_t`` with the transposed storage;
+* ``linear_l2``: ``F.linear`` on one weight 24 times, so that it is read from the L2 cache: the
+  most that loading the weights into L2 ahead of their matmul could gain.
 
 Each variant is captured in a CUDA graph over 24 layers of distinct weights (620 MB, far past the
 L2 cache, as in the decode step) and replayed; time per call = replay time / 24.
@@ -75,6 +77,7 @@ def variants(name: str, rows: int) -> dict[str, Any]:
         "linear": lambda: [F.linear(x, w) for w in weights],
         "linear_t": lambda: [x @ w for w in transposed],
         "bias": lambda: [F.linear(x, w, zero) for w in weights],
+        "linear_l2": lambda: [F.linear(x, weights[0]) for _ in weights],
     }
     if name in RESIDUAL:
         out["addmm"] = lambda: [y.addmm_(x, w.t()) for w in weights]

@@ -6,7 +6,9 @@ new tokens, sampling at temperature 1 (no top-k/top-p), no EOS, so every row dec
 Each system runs in its own process (``--worker``); the main process measures the copy bandwidth
 and writes ``benchmarks/results/gpu_generate_h200.json``. ``fast`` is the engine's default
 configuration (split-KV Triton decode attention, compiled elementwise ops, fused decode prologue,
-CUDA graphs). ``fast_grouped`` is the same engine with ``share_prompts=True`` on ``B / 8`` prompts of
+CUDA graphs); it is also timed with the QKV prologue as a kernel of its own instead of inside the
+decode attention (``separate_prologue_tokens_per_s``), then as the default again, in the same
+process. ``fast_grouped`` is the same engine with ``share_prompts=True`` on ``B / 8`` prompts of
 8 samples each (GRPO's groups) given as ``generate(..., group=8)``: each prompt is prefilled once and
 its cache slots are read once per group; it also records ``unshared_tokens_per_s``, the same
 prompts without ``group``, in the same process, and at the first batch the log-prob error of both
@@ -193,6 +195,19 @@ def run_fast(args: argparse.Namespace, model: Any, batch: int, mode: str) -> dic
         "compiled_ops": engine.compiled_ops,
         "attention": engine.attention,
     }
+    if mode == "fast" and engine.prologue_in_attention:  # A/B in this process: the prologue kernel apart
+        engine.prologue_in_attention = False
+        engine._graphs.clear()
+        engine.generate(ids, mask, params)
+        out["separate_prologue_tokens_per_s"] = (
+            batch * args.new_tokens / timed(lambda: engine.generate(ids, mask, params), args.device, 3)
+        )
+        engine.prologue_in_attention = True
+        engine._graphs.clear()
+        engine.generate(ids, mask, params)
+        out["in_attention_again_tokens_per_s"] = (
+            batch * args.new_tokens / timed(lambda: engine.generate(ids, mask, params), args.device, 3)
+        )
     if batch == args.batches[0] and mode == "fast":
         out["check"] = correctness(args, model, engine)
         if args.profile:

@@ -130,6 +130,8 @@ class FastEngine:
         self.attention = choose_attention(self.config.attention, self.device, self.shape.head_dim)
         self.fused_prologue = cuda and self.config.fused_prologue and supported(self.shape.head_dim)
         self.fused_sampling = cuda and self.config.fused_sampling
+        # unshared steps: the attention kernel takes the prologue over (benchmarks switch it off)
+        self.prologue_in_attention = self.attention == "triton" and self.fused_prologue
         self.share_prompts = self.config.share_prompts is not False and self._sharing_works()
         self._graphs: dict[tuple[int, int, bool, int], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
@@ -229,7 +231,7 @@ class FastEngine:
         x, cos, sin, mask = ops.decode_prelude(
             st.tok[:b], st.slot, st.start[:b], w.embed, self._cos, self._sin, st.arange[:kv_len]
         )
-        in_attention = self.attention == "triton" and self.fused_prologue and members == 1
+        in_attention = self.prologue_in_attention and members == 1
         for i in range(s.layers):
             kc, vc = self.k_cache[i, :b, :, :kv_len], self.v_cache[i, :b, :, :kv_len]
             q: torch.Tensor | Prologue
