@@ -467,9 +467,10 @@ print("REPRODUCED", torch.equal(drawn[0].tokens, drawn[1].tokens), not torch.equ
 
 def test_engine_with_fused_kernels_matches_hf() -> None:
     """The engine's decode step with its CUDA kernels (norm-folded prologue and activation, Triton
-    attention with the prologue inside it and apart, fused sampler; run in the interpreter) on a Qwen2 model with QKV biases and non-unit
-    norm weights: the greedy tokens of HF ``generate``, the log-probs of a teacher-forced HF forward
-    (greedy, and sampled at temperature 0.7), the same draw again from the same generator seed."""
+    attention with the prologue inside it and apart, fused sampler; run in the interpreter) on a
+    Qwen2 model with QKV biases and non-unit norm weights: the greedy tokens of HF ``generate``, the
+    log-probs of a teacher-forced HF forward (greedy, and sampled at temperature 0.7), the same draw
+    again from the same generator seed."""
     stdout = in_interpreter(CHECK_FUSED_ENGINE, timeout=240)
     assert "TOKENS_EQUAL True True" in stdout
     errors = stdout.split("MAXERR")[1].split()[:2]  # prologue in the attention kernel, then apart

@@ -60,6 +60,9 @@ SHARE_MIN_PAIRS = 2048  # share_prompts=None: share in buckets of at least this 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SyncHook = Callable[[torch.Tensor], Sequence[int]]
+StepKey = tuple[
+    int, int, bool, int, bool
+]  # batch bucket, attended length, top-k/p, rows per prompt, prologue
 
 
 @dataclass(frozen=True)
@@ -130,10 +133,11 @@ class FastEngine:
         self.attention = choose_attention(self.config.attention, self.device, self.shape.head_dim)
         self.fused_prologue = cuda and self.config.fused_prologue and supported(self.shape.head_dim)
         self.fused_sampling = cuda and self.config.fused_sampling
-        # unshared steps: the attention kernel takes the prologue over (benchmarks switch it off)
+        # unshared steps: the attention kernel takes the prologue over (benchmarks switch it off; the
+        # step's graphs are keyed by it)
         self.prologue_in_attention = self.attention == "triton" and self.fused_prologue
         self.share_prompts = self.config.share_prompts is not False and self._sharing_works()
-        self._graphs: dict[tuple[int, int, bool, int], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[StepKey, torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
         self.scale = self.shape.head_dim**-0.5
         self.max_batch, self.max_len = 0, 0
@@ -225,13 +229,17 @@ class FastEngine:
         flat.addmm_(a.reshape(flat.shape[0], -1), weight.t())
         return x if bias is None else x + bias
 
-    def _decode_body(self, b: int, kv_len: int, filtered: bool, members: int = 1) -> None:
-        """One decode step over static buffers (the graph-captured unit; see module doc)."""
+    def _key(self, b: int, kv_len: int, filtered: bool, members: int = 1) -> StepKey:
+        """What a decode step is captured by: its arguments and where its prologue runs."""
+        return b, kv_len, filtered, members, self.prologue_in_attention and members == 1
+
+    def _decode_body(self, b: int, kv_len: int, filtered: bool, members: int, in_attention: bool) -> None:
+        """One decode step over static buffers (the graph-captured unit; see module doc);
+        ``in_attention``: the attention kernel does the QKV prologue (unshared steps only)."""
         w, s, st, ops = self.weights, self.shape, self.state, self.ops
         x, cos, sin, mask = ops.decode_prelude(
             st.tok[:b], st.slot, st.start[:b], w.embed, self._cos, self._sin, st.arange[:kv_len]
         )
-        in_attention = self.prologue_in_attention and members == 1
         for i in range(s.layers):
             kc, vc = self.k_cache[i, :b, :, :kv_len], self.v_cache[i, :b, :, :kv_len]
             q: torch.Tensor | Prologue
@@ -278,16 +286,16 @@ class FastEngine:
 
     # ---------------------------------------------------------------- graphs
     def _step(self, b: int, kv_len: int, filtered: bool, members: int = 1) -> None:
+        key = self._key(b, kv_len, filtered, members)
         if not self.use_graphs:
-            self._decode_body(b, kv_len, filtered, members)
+            self._decode_body(*key)
             return
-        key = (b, kv_len, filtered, members)
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._capture(key)
         graph.replay()
 
-    def _warm_up(self, key: tuple[int, int, bool, int]) -> None:
+    def _warm_up(self, key: StepKey) -> None:
         """Run the step once on a side stream (compiles the ops), then restore the counters."""
         st = self.state
         saved = [t.clone() for t in (st.tok, st.slot, st.ridx, st.done)]
@@ -312,7 +320,7 @@ class FastEngine:
         logger.warning("compiled engine ops failed (%s); falling back to eager ops", exc)
         self.ops, self.compiled_ops = fast_ops.Ops.make(False), False
 
-    def _capture(self, key: tuple[int, int, bool, int]) -> torch.cuda.CUDAGraph:
+    def _capture(self, key: StepKey) -> torch.cuda.CUDAGraph:
         self._warm_up(key)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -320,7 +328,7 @@ class FastEngine:
         with torch.cuda.graph(graph, pool=self._pool):
             self._decode_body(*key)
         self._graphs[key] = graph
-        logger.debug("captured decode graph batch=%d kv_len=%d filtered=%s members=%d", *key)
+        logger.debug("captured decode graph batch=%d kv_len=%d filtered=%s members=%d in_attention=%s", *key)
         return graph
 
     def bucket(self, batch: int) -> int:
