@@ -15,15 +15,18 @@ Prompts are left-padded to a common width ``P``; row ``r``'s prompt starts at ``
   attends to slots ``start[r] .. s`` of the first ``Lb`` slots (``Lb`` = ``s + 1`` rounded up to
   ``kv_block``), samples the next token, records it and its log-prob and advances ``s``. Every
   input lives in a static buffer and the step advances its own counters, so on CUDA the step is
-  captured once per ``(batch bucket, Lb, top-k/p on/off, rows per shared prompt)`` in a
-  ``torch.cuda.CUDAGraph`` and replayed; batch buckets are powers of two (padded with dummy rows).
-  On CPU the same code runs eagerly.
+  captured once per :class:`StepKey` (batch bucket, ``Lb``, top-k/p on/off, rows per shared
+  prompt, the engine's switches) in a ``torch.cuda.CUDAGraph`` and replayed; batch buckets are
+  powers of two (padded with dummy rows). On CPU the same code runs eagerly.
 * **shared prompts** (``generate(..., group=G)``, ``share_prompts``): runs of ``G`` rows with
   one prompt are prefilled once (into the run's first row) and the decode attention reads the
   prompt's slots from that row once for the run (:mod:`.fast_attention`). By default only in
   batch buckets with at least ``SHARE_MIN_PAIRS`` (row, key/value head) pairs: on the H200 it was
   25 % faster at 4096 pairs and even (-2 %, +3 %) at 1024, where the pass over each row's own
   slots is latency-bound (2048 lies between the two measured points).
+* **L2 prefetch** (``prefetch_weights``, an experiment, off by default): a side stream inside the
+  graph prefetches each layer's next weights into L2 while the attention streams the cache
+  (:mod:`.fast_prefetch`).
 * :meth:`FastEngine.update_weights` copies new weights into the existing storage (no re-capture).
 
 Log-probs are ``log softmax(logits / T)[y]`` (see :mod:`.sampling`), the convention of the GRPO
@@ -35,14 +38,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megalith.common.errors import ConfigError
-from megalith_chat.engine import fast_mlp, fast_ops, fast_sample
+from megalith_chat.engine import fast_mlp, fast_ops, fast_prefetch, fast_sample
 from megalith_chat.engine.fast_attention import (
     Prologue,
     choose_attention,
@@ -60,9 +63,17 @@ SHARE_MIN_PAIRS = 2048  # share_prompts=None: share in buckets of at least this 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SyncHook = Callable[[torch.Tensor], Sequence[int]]
-StepKey = tuple[
-    int, int, bool, int, bool
-]  # batch bucket, attended length, top-k/p, rows per prompt, prologue
+
+
+class StepKey(NamedTuple):
+    """What a decode step's graph is captured for."""
+
+    batch: int  # rows run (the batch bucket)
+    kv_len: int  # cache slots attended (``Lb``)
+    filtered: bool  # top-k / top-p sampling
+    members: int  # rows per shared prompt (1: unshared)
+    in_attention: bool  # the attention kernel does the QKV prologue
+    prefetch: bool  # next weights prefetched into L2 on a side stream (:mod:`.fast_prefetch`)
 
 
 @dataclass(frozen=True)
@@ -90,6 +101,9 @@ class FastEngineConfig:
     # Triton attention: a group's prompt is prefilled and read once. None (auto): where it pays
     # (module doc); True: at every batch (warns when unusable); False: never
     share_prompts: bool | None = None
+    # CUDA sm_90+, Triton attention: prefetch each layer's next weights into L2 on a side stream
+    # inside the graph (:mod:`.fast_prefetch`; an experiment, off until measured faster)
+    prefetch_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_len < 2:
@@ -137,6 +151,9 @@ class FastEngine:
         # step's graphs are keyed by it)
         self.prologue_in_attention = self.attention == "triton" and self.fused_prologue
         self.share_prompts = self.config.share_prompts is not False and self._sharing_works()
+        # like prologue_in_attention, a switch benchmarks can flip (part of the graph key)
+        self.prefetch_weights = self.config.prefetch_weights and self._prefetch_works()
+        self._side = torch.cuda.Stream(self.device) if cuda else None
         self._graphs: dict[StepKey, torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
         self.scale = self.shape.head_dim**-0.5
@@ -154,6 +171,13 @@ class FastEngine:
         if error is not None:
             log("shared-prompt decode attention unusable (%s); prompts are not shared", error)
         return error is None
+
+    def _prefetch_works(self) -> bool:
+        """Whether the L2 prefetch of :mod:`.fast_prefetch` can run here (warns why not)."""
+        if self.attention == "triton" and fast_prefetch.usable(self.device):
+            return True
+        logger.warning("prefetch_weights needs the Triton decode attention on an sm_90+ GPU; not prefetching")
+        return False
 
     # ---------------------------------------------------------------- storage
     def reserve(self, max_batch: int, max_len: int) -> None:
@@ -230,17 +254,28 @@ class FastEngine:
         return x if bias is None else x + bias
 
     def _key(self, b: int, kv_len: int, filtered: bool, members: int = 1) -> StepKey:
-        """What a decode step is captured by: its arguments and where its prologue runs."""
-        return b, kv_len, filtered, members, self.prologue_in_attention and members == 1
+        """What a decode step is captured by: its arguments and the engine's switches."""
+        in_attention = self.prologue_in_attention and members == 1
+        return StepKey(b, kv_len, filtered, members, in_attention, self.prefetch_weights)
 
-    def _decode_body(self, b: int, kv_len: int, filtered: bool, members: int, in_attention: bool) -> None:
-        """One decode step over static buffers (the graph-captured unit; see module doc);
-        ``in_attention``: the attention kernel does the QKV prologue (unshared steps only)."""
+    def _prefetch(self, *tensors: torch.Tensor) -> None:
+        """Start an L2 prefetch of ``tensors`` on the side stream once the work queued so far has run
+        (:mod:`.fast_prefetch`); the step joins the side stream at its end."""
+        assert self._side is not None
+        self._side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._side):
+            fast_prefetch.prefetch_l2(tensors)
+
+    def _decode_body(self, key: StepKey) -> None:
+        """One decode step over static buffers (the graph-captured unit; see module doc)."""
+        b, kv_len, filtered, members, in_attention, prefetch = key
         w, s, st, ops = self.weights, self.shape, self.state, self.ops
         x, cos, sin, mask = ops.decode_prelude(
             st.tok[:b], st.slot, st.start[:b], w.embed, self._cos, self._sin, st.arange[:kv_len]
         )
         for i in range(s.layers):
+            if prefetch:  # this layer's weights after its attention, fetched while the attention runs
+                self._prefetch(w.wo[i], w.wgu[i], w.wd[i])
             kc, vc = self.k_cache[i, :b, :, :kv_len], self.v_cache[i, :b, :, :kv_len]
             q: torch.Tensor | Prologue
             if in_attention:  # the attention kernel rotates q and writes k, v itself
@@ -255,15 +290,21 @@ class FastEngine:
                 )
             if self.attention == "triton":
                 attn = decode_attention(
-                    q, kc, vc, st.start[:b], st.slot, self.scale, members=members, prompt_end=st.prompt_end
-                )
+                    q, kc, vc, st.start[:b], st.slot, self.scale, members=members, prompt_end=st.prompt_end,
+                    evict_first=prefetch,
+                )  # fmt: skip
             else:
                 assert isinstance(q, torch.Tensor)
                 attn = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scale)
             x = self._residual(x, attn.reshape(b, -1), w.wo[i], w.bo[i])
+            if prefetch and i + 1 < s.layers:  # the next layer's first weight, during this MLP
+                self._prefetch(w.wqkv[i + 1])
             norm_silu_mul = fast_mlp.norm_silu_mul if self.fused_prologue else ops.norm_silu_mul
             x = self._residual(x, norm_silu_mul(F.linear(x, w.wgu[i]), x, s.eps), w.wd[i], None)
         self._emit(F.linear(ops.rms_norm(x, w.norm, s.eps), w.lm_head), b, filtered)
+        if prefetch:
+            assert self._side is not None
+            torch.cuda.current_stream().wait_stream(self._side)
 
     def _emit(self, logits: torch.Tensor, b: int, filtered: bool) -> None:
         """Sample, mask finished rows, record token + log-prob at column ``ridx``, advance counters."""
@@ -288,7 +329,7 @@ class FastEngine:
     def _step(self, b: int, kv_len: int, filtered: bool, members: int = 1) -> None:
         key = self._key(b, kv_len, filtered, members)
         if not self.use_graphs:
-            self._decode_body(*key)
+            self._decode_body(key)
             return
         graph = self._graphs.get(key)
         if graph is None:
@@ -303,11 +344,11 @@ class FastEngine:
         stream.wait_stream(torch.cuda.current_stream())
         try:
             with torch.cuda.stream(stream):
-                self._decode_body(*key)
+                self._decode_body(key)
         except RuntimeError as exc:
             self._drop_compiled(exc)
             with torch.cuda.stream(stream):
-                self._decode_body(*key)
+                self._decode_body(key)
         torch.cuda.current_stream().wait_stream(stream)
         for dst, src in zip((st.tok, st.slot, st.ridx, st.done), saved):
             dst.copy_(src)
@@ -326,9 +367,9 @@ class FastEngine:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._decode_body(*key)
+            self._decode_body(key)
         self._graphs[key] = graph
-        logger.debug("captured decode graph batch=%d kv_len=%d filtered=%s members=%d in_attention=%s", *key)
+        logger.debug("captured decode graph %s", key)
         return graph
 
     def bucket(self, batch: int) -> int:
