@@ -12,6 +12,9 @@ in between. Variants:
   builds a KV cache in training forwards too; skipping it was measured slower, see the core README);
 - ``megalith_graphs``: megalith with Inductor's CUDA graphs (``triton.cudagraphs``, what
   ``torch.compile(mode="reduce-overhead")`` turns on) for the compiled forward and backward;
+- ``megalith_cdt``: megalith with Inductor's coordinate-descent tuning of its generated kernels
+  (``TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1``: the residual adds, norms and casts the compiler
+  writes, about a tenth of the step, get their block sizes searched; longer warm-up);
 - ``*_expandable``: the same with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
 
     python benchmarks/gpu_train_ab.py --variants hf_liger megalith megalith_ce2048 --rounds 2
@@ -34,7 +37,8 @@ import gpu_train
 from _common import emit_result, run_child, write_result
 
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-VARIANT = re.compile(r"^(hf_liger|megalith)(?:_ce(\d+))?(_nocache)?(_graphs)?(_expandable)?$")
+COORDINATE_DESCENT = {"TORCHINDUCTOR_COORDINATE_DESCENT_TUNING": "1"}
+VARIANT = re.compile(r"^(hf_liger|megalith)(?:_ce(\d+))?(_nocache)?(_graphs)?(_cdt)?(_expandable)?$")
 
 
 class Variant(NamedTuple):
@@ -48,17 +52,15 @@ class Variant(NamedTuple):
 def parse_variant(name: str) -> Variant:
     """What a variant name asks for; an unknown name is an ArgumentTypeError naming it."""
     match = VARIANT.match(name)
-    if match is None or (
-        match.group(1) == "hf_liger" and (match.group(2) or match.group(3) or match.group(4))
-    ):
+    if match is None or (match.group(1) == "hf_liger" and any(match.group(i) for i in (2, 3, 4, 5))):
         raise argparse.ArgumentTypeError(
             f"unknown variant {name!r}: use hf_liger[_expandable] or "
-            "megalith[_ce<rows>][_nocache][_graphs][_expandable]"
+            "megalith[_ce<rows>][_nocache][_graphs][_cdt][_expandable]"
         )
     rows = int(match.group(2)) if match.group(2) else None
     if rows == 0:
         raise argparse.ArgumentTypeError(f"variant {name!r}: the chunk must have at least one row")
-    env = EXPANDABLE if match.group(5) else {}
+    env = (COORDINATE_DESCENT if match.group(5) else {}) | (EXPANDABLE if match.group(6) else {})
     return Variant(match.group(1), rows, bool(match.group(3)), bool(match.group(4)), env)
 
 
