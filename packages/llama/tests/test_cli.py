@@ -143,3 +143,57 @@ def test_missing_model_is_a_clean_error(capsys, tmp_path: Path) -> None:
         capsys, "eval", "--model", str(tmp_path / "absent"), "--tokenizer", str(tmp_path / "absent")
     )
     assert code == 2 and f"does not exist: {tmp_path / 'absent'}" in err
+
+
+def test_existing_output_is_exit_2_before_any_work(capsys, bpe_tokenizer_dir: Path, tmp_path: Path) -> None:
+    """prepare / expand-vocab / convert into an existing directory: `error: ...` naming it, exit 2,
+    before the work (convert is given a GGUF that does not exist: the output check comes first)."""
+    src = tmp_path / "in.txt"
+    src.write_text("the model learns tokens\n\nfrom text and the data\n")
+    out = tmp_path / "out"
+    prepare = ["prepare", "--input", str(src), "--tokenizer", str(bpe_tokenizer_dir), "--seq-len", "4"]
+    assert _run(capsys, *prepare, "--output", str(out))[0] == 0
+    before = sorted(p.name for p in out.iterdir())
+    code, _, err = _run(capsys, *prepare, "--output", str(out))
+    assert code == 2 and f"error: output {out} already exists (pass --overwrite" in err
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert _run(capsys, *prepare, "--output", str(out), "--overwrite")[0] == 0
+    (tmp_path / "new.txt").write_text("\u2581zeppelin\n", encoding="utf-8")
+    code, _, err = _run(
+        capsys, "expand-vocab", "--tokenizer", str(bpe_tokenizer_dir), "--new-tokens", str(tmp_path / "new.txt"),
+        "--output", str(out), "--tokenizer-only",
+    )  # fmt: skip
+    assert code == 2 and f"output {out} already exists" in err
+    code, _, err = _run(capsys, "convert", "--gguf", str(tmp_path / "absent.gguf"), "--output", str(out))
+    assert code == 2 and f"output {out} already exists" in err
+
+
+def test_bad_values_name_the_value(capsys, bpe_tokenizer_dir: Path, tmp_path: Path) -> None:
+    code, _, err = _run(
+        capsys, "eval", "--model", "tiny-32", "--tokenizer", str(bpe_tokenizer_dir), "--batch-size", "0"
+    )
+    assert code == 2 and "--batch-size must be > 0, got 0" in err
+    (tmp_path / "new.txt").write_text("\u2581zeppelin\n", encoding="utf-8")
+    missing = tmp_path / "missing.txt"
+    code, _, err = _run(
+        capsys, "expand-vocab", "--tokenizer", str(bpe_tokenizer_dir), "--new-tokens", str(tmp_path / "new.txt"),
+        "--output", str(tmp_path / "ev"), "--tokenizer-only", "--text", str(missing),
+    )  # fmt: skip
+    assert code == 2 and f"--text {missing}: no such file" in err
+    assert not (tmp_path / "ev").exists()
+    src = tmp_path / "in.txt"
+    src.write_text("the model learns tokens\n")
+    prepare = ["prepare", "--tokenizer", str(bpe_tokenizer_dir), "--output", str(tmp_path / "p")]
+    code, _, err = _run(capsys, *prepare, "--input", f"{src}:1", "--num-tokens", "0")
+    assert code == 2 and "--num-tokens must be > 0, got 0" in err
+    for weight in ("nan", "inf"):
+        code, _, err = _run(capsys, *prepare, "--input", f"{src}:{weight}")
+        assert code == 2 and f"input weight must be a finite number >= 0, got '{weight}'" in err
+    train = ["train", "--model", "tiny-32", "--nproc-per-node", "1", "--output", str(tmp_path / "run")]
+    code, _, err = _run(capsys, *train, "--clip", "-1")
+    assert code == 2 and "--clip must be >= 0 (0 turns clipping off), got -1.0" in err
+    code, _, err = _run(capsys, *train, "--keep-checkpoints", "0")
+    assert code == 2 and "--keep-checkpoints must be > 0, got 0" in err
+    (tmp_path / "run" / "checkpoints" / "step_00000010").mkdir(parents=True)
+    code, _, err = _run(capsys, *train)  # refused before any rank or model is started
+    assert code == 2 and "already holds checkpoints of an earlier run (step_00000010)" in err

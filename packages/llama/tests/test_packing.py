@@ -93,3 +93,7 @@ def test_plan_mixture_rejects_bad_weights() -> None:
         plan_mixture([np.ones(2), np.ones(2)], weights=[-1.0, 2.0])
     with pytest.raises(ConfigError, match="target_tokens"):
         plan_mixture([np.ones(2)], weights=None, target_tokens=5)
+    with pytest.raises(ConfigError, match=r"\[nan, 1.0\]"):
+        plan_mixture([np.ones(2), np.ones(2)], weights=[float("nan"), 1.0])
+    with pytest.raises(ConfigError, match="target_tokens must be > 0, got 0"):
+        plan_mixture([np.ones(2)], weights=[1.0], target_tokens=0)

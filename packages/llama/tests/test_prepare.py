@@ -180,6 +180,12 @@ def test_other_bad_inputs(bpe_tokenizer, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="for every input"):
         PrepareConfig((InputSpec("a.jsonl", 0.5), InputSpec("b.jsonl")))
     assert InputSpec.parse("builtin:train") == InputSpec("builtin:train")
+    for bad in ("nan", "inf", "-inf"):
+        with pytest.raises(ConfigError, match=f"finite number >= 0, got '{bad}' in 'a.jsonl:{bad}'"):
+            InputSpec.parse(f"a.jsonl:{bad}")
+    for tokens in (0, -5):
+        with pytest.raises(ConfigError, match=f"--num-tokens must be > 0, got {tokens}"):
+            PrepareConfig((InputSpec("a.jsonl", 1.0),), target_tokens=tokens)
     assert InputSpec.parse("dir/a.jsonl:0.7") == InputSpec("dir/a.jsonl", 0.7)
 
 

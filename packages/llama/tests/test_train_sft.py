@@ -14,14 +14,24 @@ from megalith_llama.train import TrainConfig, run_training
 
 
 def test_schedules_by_hand():
-    cos = lr_lambda("cosine", warmup=2, total=10, min_ratio=0.1)
-    assert [cos(0), cos(1)] == [0.5, 1.0]
-    assert cos(2) == pytest.approx(1.0)
-    assert cos(6) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
-    assert cos(10) == pytest.approx(0.1)
-    wsd = lr_lambda("wsd", warmup=1, total=10, min_ratio=0.0, decay_fraction=0.2)
-    assert [wsd(1), wsd(7)] == [1.0, 1.0]  # stable until step 8
-    assert [wsd(8), wsd(9), wsd(10)] == pytest.approx([1.0, 0.5, 0.0])
+    """Steps s = 0 .. S-1; the formulas are written out here, not taken from the module."""
+    S, W, m = 10, 2, 0.1
+    cos = lr_lambda("cosine", warmup=W, total=S, min_ratio=m)
+    # warmup (s+1)/W, then m + (1-m)(1 + cos(pi (s-W+1)/(S-W)))/2
+    expected = [0.5, 1.0] + [m + (1 - m) * 0.5 * (1 + math.cos(math.pi * (s - 1) / 8)) for s in range(2, 10)]
+    assert [cos(s) for s in range(S)] == pytest.approx(expected)
+    assert cos(2) < 1.0  # decay starts right after warmup (no second step at the peak)
+    assert cos(S - 1) == pytest.approx(m)  # the last step that runs is at min_ratio exactly
+    # wsd, S=10, decay_fraction 0.2: D = 2 decay steps (8, 9): 1 - (1-m)(s-8+1)/2
+    wsd = lr_lambda("wsd", warmup=1, total=S, min_ratio=0.0, decay_fraction=0.2)
+    assert [wsd(s) for s in range(S)] == pytest.approx([1.0] * 8 + [0.5, 0.0])
+    # the defaults of `train`: S=20, W=2, m=0.1, D=4: every decay step decays, the last to m
+    d = lr_lambda("wsd", warmup=2, total=20, min_ratio=0.1, decay_fraction=0.2)
+    decay = [1 - 0.9 * (s - 16 + 1) / 4 for s in range(16, 20)]
+    assert [d(s) for s in range(20)] == pytest.approx([0.5] + [1.0] * 15 + decay)
+    assert decay == pytest.approx([0.775, 0.55, 0.325, 0.1])
+    const = lr_lambda("constant", warmup=4, total=S)
+    assert [const(s) for s in range(6)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
     with pytest.raises(ConfigError, match="unknown schedule 'step'"):
         lr_lambda("step", 1, 10)
 
@@ -31,6 +41,16 @@ def test_config_rejects_bad_values():
         TrainConfig(seq_len=0)
     with pytest.raises(ConfigError, match="--schedule must be cosine, wsd or constant, got 'linear'"):
         TrainConfig(schedule="linear")
+    with pytest.raises(ConfigError, match=r"--clip must be >= 0 \(0 turns clipping off\), got -1.0"):
+        TrainConfig(clip=-1.0)
+    with pytest.raises(ConfigError, match="--clip must be >= 0.*got nan"):
+        TrainConfig(clip=float("nan"))
+    assert TrainConfig(clip=0.0).clip == 0.0  # off
+    for keep in (0, -1):
+        with pytest.raises(ConfigError, match=f"--keep-checkpoints must be > 0, got {keep}"):
+            TrainConfig(keep_checkpoints=keep)
+    with pytest.raises(ConfigError, match="--overwrite .* --resume auto"):
+        TrainConfig(overwrite=True, resume="auto")
 
 
 def _conversations(path: Path, n: int = 16) -> Path:

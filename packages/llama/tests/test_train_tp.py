@@ -40,7 +40,8 @@ def test_train_tp2_exports_full_shapes_and_resumes_at_tp1(
     assert main([*prepare, "--output", str(tmp_path / "data"), "--seq-len", "32"]) == 0
     capsys.readouterr()
 
-    tp2 = _argv(tmp_path, bpe_tokenizer_dir, "--tp", "2", "--sp-mode", "split_gather", "--max-steps", "2")
+    # --max-tokens counts dp ranks only: 128 tokens / (2 sequences x 32 tokens x dp 1) = 2 steps
+    tp2 = _argv(tmp_path, bpe_tokenizer_dir, "--tp", "2", "--sp-mode", "split_gather", "--max-tokens", "128")
     assert run_distributed(_train, 2, tp2, timeout_s=180) == [0, 0]
     run = tmp_path / "run"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -17,6 +17,7 @@ the input formats.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import time
@@ -38,7 +39,7 @@ from megalith_llama.encoding import (
     write_token_store,
 )
 from megalith_llama.formats import TEXT_UNITS, ReadStats, input_format, iter_records
-from megalith_llama.io import atomic_directory, write_json
+from megalith_llama.io import atomic_directory, check_output_free, write_json
 from megalith_llama.packing import MixPlan, pack_tokens, plan_mixture
 from megalith_llama.workers import TokenEncoder
 
@@ -66,8 +67,8 @@ class InputSpec:
                 weight = float(tail)
             except ValueError:
                 return cls(text)
-            if weight < 0:
-                raise ConfigError(f"input weight must be >= 0, got {weight} in {text!r}")
+            if not math.isfinite(weight) or weight < 0:
+                raise ConfigError(f"input weight must be a finite number >= 0, got {tail!r} in {text!r}")
             return cls(head, weight)
         return cls(text)
 
@@ -100,6 +101,8 @@ class PrepareConfig:
             raise ConfigError(f"last_sequence must be 'pad' or 'drop', got {self.last_sequence!r}")
         if self.text_unit not in TEXT_UNITS:
             raise ConfigError(f"text_unit must be one of {TEXT_UNITS}, got {self.text_unit!r}")
+        if self.target_tokens is not None and self.target_tokens <= 0:
+            raise ConfigError(f"--num-tokens must be > 0, got {self.target_tokens}")
         given = [s.weight is not None for s in self.inputs]
         if any(given) and not all(given):
             raise ConfigError("give a weight for every input (PATH:WEIGHT) or for none")
@@ -221,6 +224,7 @@ def prepare(
 
     `progress(n)` is called with the number of tokens of each encoded chunk.
     """
+    check_output_free(output, overwrite)
     encoder = make_encoder(tokenizer, add_bos=config.add_bos)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else encoder.eos_id
     id_dtype = np.dtype(np.uint16 if len(tokenizer) <= 1 << 16 else np.int32)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from megalith.common.errors import CheckpointError, ConfigError
-from megalith_llama.io import atomic_directory
+from megalith_llama.io import atomic_directory, check_output_free
 from megalith_llama.tokenizer import (
     Expansion,
     chars_per_token,
@@ -107,6 +107,7 @@ def expand_vocabulary(
     overwrite: bool = False,
 ) -> VocabReport:
     """Expand the tokenizer at `tokenizer_path` with `tokens`, resize `model` (if given), save to `output`."""
+    check_output_free(output, overwrite)  # before the expansion work, not after it
     path = Path(tokenizer_path)
     kind, file = locate_tokenizer_file(path)
     data, exp, old_encode, new_encode, before, after = _expand_file(kind, file, tokens)

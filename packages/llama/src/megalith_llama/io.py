@@ -16,6 +16,21 @@ from pathlib import Path
 from typing import Any
 
 from megalith.checkpoint.atomic import fsync_dir, fsync_tree
+from megalith.common.errors import ConfigError
+
+
+class OutputExistsError(ConfigError, FileExistsError):
+    """The output directory already exists and replacing it was not asked for.
+
+    A `ConfigError` (so the CLI prints `error: ...` and exits 2) that is also a `FileExistsError`
+    (what `atomic_directory` raised before, so existing callers keep working)."""
+
+
+def check_output_free(target: str | os.PathLike[str], overwrite: bool = False) -> None:
+    """Raise `OutputExistsError` if `target` exists and `overwrite` is off (call it before the work)."""
+    path = Path(target).expanduser().resolve()
+    if path.exists() and not overwrite:
+        raise OutputExistsError(f"output {path} already exists (pass --overwrite to replace it)")
 
 
 def _apply_umask(root: Path) -> None:
@@ -37,26 +52,31 @@ def atomic_directory(target: str | os.PathLike[str], overwrite: bool = False) ->
     On an exception the temporary directory is removed and `target` is left untouched.
     With `overwrite`, an existing `target` is replaced (moved aside, then deleted after the rename).
     """
+    check_output_free(target, overwrite)
     target = Path(target).expanduser().resolve()
-    if target.exists() and not overwrite:
-        raise FileExistsError(f"{target} already exists (pass overwrite=True / --overwrite to replace it)")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         yield tmp
         _apply_umask(tmp)
-        fsync_tree(tmp)
-        old = None
-        if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            os.replace(target, old / "content")
-        os.replace(tmp, target)
-        fsync_dir(target.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        move_into_place(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def move_into_place(src: Path, target: Path) -> None:
+    """fsync the complete directory `src` and rename it to `target` (an existing `target` is moved
+    aside first and deleted after the rename), so `target` is always either old or new, never partial."""
+    fsync_tree(src)
+    old = None
+    if target.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+        os.replace(target, old / "content")
+    os.replace(src, target)
+    fsync_dir(target.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def write_json(path: Path, obj: Any) -> None:

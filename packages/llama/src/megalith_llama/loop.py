@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from megalith.common.errors import DataError
 from megalith.distributed import rank as _rank
 from megalith.distributed import world_size as _world
 from megalith_llama.train_utils import MetricsLog, peak_flops, prune_checkpoints
@@ -84,11 +85,20 @@ class StepLoop:
     def _next_batch(self) -> dict[str, torch.Tensor]:
         from megalith_llama.dataset import model_inputs
 
-        try:
-            batch = next(self._batches)
-        except StopIteration:
+        batch = next(self._batches, None)
+        # A fresh iterator continues the current epoch; after a resume at an epoch's end that rest
+        # can be shorter than one batch (dropped), so it yields nothing and the next one starts a
+        # new epoch. A whole epoch without a batch means the data is smaller than one batch.
+        for _ in range(2):
+            if batch is not None:
+                break
             self._batches = iter(self.loader)  # the sampler moves to the next epoch by itself
-            batch = next(self._batches)
+            batch = next(self._batches, None)
+        if batch is None:
+            raise DataError(
+                f"a whole epoch of the training data gave no batch of --batch-size {self.cfg.batch_size}: "
+                "this data-parallel rank has fewer samples than one batch"
+            )
         dtype = next(self.model.parameters()).dtype
         inputs = model_inputs(batch, dtype)
         if "attention_mask" in batch:  # padded SFT conversations
@@ -128,7 +138,8 @@ class StepLoop:
         tokens_seen, t0 = 0, time.perf_counter()
         for step in bar:
             loss, tokens = self._micro_steps()
-            grad_norm = self.optimizer.clip_grad_by_norm(self.cfg.clip)
+            # --clip 0 is off: an infinite max norm scales nothing (the norm is still measured)
+            grad_norm = self.optimizer.clip_grad_by_norm(self.cfg.clip if self.cfg.clip > 0 else math.inf)
             self.optimizer.step()
             self.optimizer.zero_grad()
             lr = self.scheduler.get_last_lr()[0]
@@ -172,7 +183,7 @@ class StepLoop:
                 extra={"config": _jsonable(asdict(self.cfg))},
             )
             if _rank() == 0:
-                prune_checkpoints(self.out / "checkpoints", self.cfg.keep_checkpoints)
+                prune_checkpoints(self.out / "checkpoints", self.cfg.keep_checkpoints, newest=path)
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:

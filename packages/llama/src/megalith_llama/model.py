@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megalith.common.errors import CheckpointError, ConfigError
-from megalith_llama.io import atomic_directory, write_json
+from megalith_llama.io import atomic_directory, check_output_free, write_json
 from megalith_llama.paths import data_dir as resolve_data_dir
 
 if TYPE_CHECKING:
@@ -115,6 +115,7 @@ def convert_gguf(
     from transformers import AutoModelForCausalLM
 
     gguf, out = Path(gguf).expanduser(), Path(out_dir).expanduser()
+    check_output_free(out, overwrite)  # before the (slow) dequantization
     src_model, tokenizer = _load_gguf(gguf, torch.float32)
     config = src_model.config
     if hasattr(config, "quantization_config"):

@@ -19,6 +19,7 @@ dropped (its token count is reported) - see `PrepareConfig.last_sequence`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,8 +64,11 @@ def plan_mixture(
             raise ConfigError("target_tokens needs explicit weights (PATH:WEIGHT) for every input")
         quotas = totals
     else:
-        if len(weights) != len(doc_lengths) or any(w < 0 for w in weights) or sum(weights) <= 0:
+        bad = any(not math.isfinite(w) or w < 0 for w in weights)
+        if len(weights) != len(doc_lengths) or bad or sum(weights) <= 0:
             raise ConfigError(f"need one non-negative weight per input with a positive sum, got {weights}")
+        if target_tokens is not None and target_tokens <= 0:
+            raise ConfigError(f"target_tokens must be > 0, got {target_tokens}")
         n = sum(totals) if target_tokens is None else target_tokens
         quotas = [round(w / sum(weights) * n) for w in weights]
     picks, keys, owners = [], [], []

@@ -1,8 +1,13 @@
 """Learning-rate schedules as multipliers of the base LR (for `torch.optim.lr_scheduler.LambdaLR`).
 
-- cosine: linear warmup to 1, then cosine decay to `min_ratio` at `total` steps.
-- wsd (warmup-stable-decay, Hu et al. 2024 "MiniCPM"): warmup, constant 1, then a linear decay to
-  `min_ratio` over the last `decay_fraction` of the steps.
+Step `s` runs for s = 0 .. total-1 (the multiplier of step s is `f(s)`); W = warmup.
+
+- warmup (every schedule): f(s) = (s + 1) / W for s < W, so the last warmup step reaches 1.
+- cosine: f(s) = m + (1 - m) * (1 + cos(pi * p)) / 2 with p = (s - W + 1) / (total - W), so
+  decay starts right after warmup and the last step (s = total-1) uses exactly `min_ratio` m.
+- wsd (warmup-stable-decay, Hu et al. 2024 "MiniCPM"): warmup, constant 1, then over the last
+  D = max(1, round(decay_fraction * total)) steps a linear decay f(s) = 1 - (1 - m) * p with
+  p = (s - (total - D) + 1) / D: each of the D decay steps decays, the last one to exactly m.
 - constant: warmup, then 1.
 """
 
@@ -29,7 +34,7 @@ def lr_lambda(
         w = warm(step)
         if w is not None:
             return w
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        progress = min(1.0, (step - warmup + 1) / max(1, total - warmup))
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     def wsd(step: int) -> float:
@@ -39,7 +44,7 @@ def lr_lambda(
         decay_start = total - max(1, int(round(decay_fraction * total)))
         if step < decay_start:
             return 1.0
-        progress = min(1.0, (step - decay_start) / max(1, total - decay_start))
+        progress = min(1.0, (step - decay_start + 1) / max(1, total - decay_start))
         return 1.0 - (1.0 - min_ratio) * progress
 
     def constant(step: int) -> float:

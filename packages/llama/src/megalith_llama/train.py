@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from megalith_llama.schedule import lr_lambda
 from megalith_llama.train_config import TrainConfig, kernel_names
 from megalith_llama.train_utils import (
     MetricsLog,
+    checkpoint_dirs,
     flops_per_token,
     latest_checkpoint,
     plot_curve,
@@ -48,7 +50,6 @@ class TrainResult:
 
 
 from megalith.distributed import rank as _rank  # noqa: E402
-from megalith.distributed import world_size as _world  # noqa: E402
 
 
 def run_training(cfg: TrainConfig) -> TrainResult:
@@ -58,18 +59,23 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     from megalith.distributed import launch
 
     start = time.perf_counter()
+    out = Path(cfg.output)
+    check_fresh_output(cfg, out)  # every rank, before any work: all refuse together
     info = launch(device=cfg.device)
     torch.manual_seed(cfg.seed + info.rank)
-    out = Path(cfg.output)
+    if cfg.overwrite and info.rank == 0:  # the barrier in _load_inputs orders this before any save
+        for old in checkpoint_dirs(out / "checkpoints"):
+            shutil.rmtree(old)
     model, tokenizer, train_set, heldout = _load_inputs(cfg, info.device.torch)
     plugin = _plugin(cfg, make_plugin)
+    check_data_size(len(train_set), cfg.batch_size, plugin.dp_size())
     booster = Booster(
         plugin=plugin, precision=cfg.precision, kernels=kernel_names(cfg.kernels), compile=cfg.compile
     )
     params = [p for p in model.parameters() if p.requires_grad]
     per_token = flops_per_token(model, model.config, cfg.seq_len)  # the whole model, before any split
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    total_steps = _total_steps(cfg)
+    total_steps = _total_steps(cfg, plugin.dp_size())
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lr_lambda(cfg.schedule, cfg.warmup_steps, total_steps, cfg.min_lr_ratio, cfg.decay_fraction),
@@ -128,11 +134,38 @@ def _plugin(cfg: TrainConfig, make_plugin: Any) -> Any:
     return make_plugin("hybrid", **options)
 
 
-def _total_steps(cfg: TrainConfig) -> int:
+def _total_steps(cfg: TrainConfig, dp_size: int) -> int:
+    """`--max-tokens` caps the steps: one step trains batch x accum x seq_len tokens on each
+    data-parallel rank (the tp / pp ranks of one replica share those tokens, they add none)."""
     if cfg.max_tokens is None:
         return cfg.max_steps
-    per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len * _world()
+    per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len * dp_size
     return min(cfg.max_steps, max(1, cfg.max_tokens // per_step))
+
+
+def check_fresh_output(cfg: TrainConfig, out: Path) -> None:
+    """A run without --resume starts at step 0; checkpoints of an earlier run in `out` would be
+    mixed with its own (pruning and `--resume auto` pick by step), so they need --overwrite."""
+    if cfg.resume is not None or cfg.overwrite:
+        return
+    found = checkpoint_dirs(out / "checkpoints")
+    if found:
+        names = ", ".join(p.name for p in found)
+        raise ConfigError(
+            f"--output {out} already holds checkpoints of an earlier run ({names}); pass --resume auto "
+            "to continue it, --overwrite to delete them and start over, or another --output"
+        )
+
+
+def check_data_size(num_samples: int, batch_size: int, dp_size: int) -> None:
+    """Each of the dp ranks gets num_samples // dp_size samples per epoch (the rest is dropped) and
+    needs at least one full batch of them."""
+    if num_samples // dp_size < batch_size:
+        raise ConfigError(
+            f"the training data has {num_samples} sequence(s), {num_samples // dp_size} per data-parallel "
+            f"rank (dp size {dp_size}), fewer than one batch of --batch-size {batch_size}; lower "
+            "--batch-size or prepare more data"
+        )
 
 
 def _load_inputs(cfg: TrainConfig, device: torch.device) -> tuple[Any, Any, Any, Any]:
@@ -205,13 +238,18 @@ def _maybe_resume(
 
 
 def _export(booster: Any, model: Any, tokenizer: Any, out: Path) -> Path:
-    final = out / "final"
+    """Model and tokenizer go into a staging directory that is renamed to `final/` only when both
+    are written, so `final/` is either absent (or the previous export) or complete."""
+    from megalith_llama.io import move_into_place
+
+    final, staging = out / "final", out / ".final.export"
     unwrapped = booster.unwrap(model)
     if hasattr(unwrapped, "merge_and_unload"):  # LoRA: export the merged plain model
         unwrapped = unwrapped.merge_and_unload()
-    booster.save_model(unwrapped, final)  # every rank calls it; rank 0 writes, atomically
+    booster.save_model(unwrapped, staging)  # every rank calls it; rank 0 writes
     if _rank() == 0:
-        tokenizer.save_pretrained(str(final))
+        tokenizer.save_pretrained(str(staging))
+        move_into_place(staging, final)
     if dist.is_initialized():
         dist.barrier()
     return final

@@ -33,10 +33,11 @@ class TrainConfig:
     seq_len: int = 256
     max_steps: int = 20
     max_tokens: int | None = None
-    clip: float = 1.0
+    clip: float = 1.0  # 0 turns clipping off
     save_every: int = 10
     keep_checkpoints: int = 2
     resume: str | None = None
+    overwrite: bool = False  # a fresh run may replace the checkpoints of an earlier run in `output`
     eval_every: int = 0
     eval_batches: int = 8
     sft_data: str | None = None
@@ -58,10 +59,19 @@ class TrainConfig:
     def __post_init__(self) -> None:
         from megalith.common.errors import ConfigError
 
-        positive = ("lr", "grad_accum", "batch_size", "seq_len", "max_steps", "save_every", "eval_batches")
+        positive = (
+            "lr", "grad_accum", "batch_size", "seq_len", "max_steps", "save_every", "eval_batches",
+            "keep_checkpoints",
+        )  # fmt: skip
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if not self.clip >= 0:  # also refuses nan
+            raise ConfigError(f"--clip must be >= 0 (0 turns clipping off), got {self.clip}")
+        if self.overwrite and self.resume is not None:
+            raise ConfigError(
+                f"--overwrite starts a fresh run; it cannot be combined with --resume {self.resume}"
+            )
         if self.schedule not in ("cosine", "wsd", "constant"):
             raise ConfigError(f"--schedule must be cosine, wsd or constant, got {self.schedule!r}")
         if self.max_tokens is not None and self.max_tokens <= 0:

@@ -26,11 +26,7 @@ class MetricsLog:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         if truncate_after is not None and truncate_after > 0 and path.exists():
-            kept = [
-                line
-                for line in path.read_text().splitlines()
-                if line and json.loads(line)["step"] <= truncate_after
-            ]
+            kept = [line for step, line in _records(path) if step <= truncate_after]
             _write_atomic(path, "".join(line + "\n" for line in kept))
         elif not truncate_after and path.exists():
             path.unlink()
@@ -40,6 +36,23 @@ class MetricsLog:
             return
         with self.path.open("a") as f:
             f.write(json.dumps({**record, "time": time.time()}) + "\n")
+
+
+def _records(path: Path) -> list[tuple[int, str]]:
+    """(step, line) of every record. A run killed while appending leaves a partial last line: it is
+    skipped with a warning; an undecodable line anywhere else is a `DataError` naming it."""
+    from megalith.common.errors import DataError
+
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), start=1) if line.strip()]
+    records = []
+    for i, (lineno, line) in enumerate(lines):
+        try:
+            records.append((int(json.loads(line)["step"]), line))
+        except (ValueError, KeyError, TypeError) as exc:
+            if i < len(lines) - 1:
+                raise DataError(f"{path}:{lineno}: not a metrics record ({exc})") from exc
+            logger.warning("%s:%d: dropping a partial last line (%r)", path, lineno, line[:80])
+    return records
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -54,14 +67,31 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def latest_checkpoint(root: Path) -> Path | None:
     """The newest complete `step_*` checkpoint under `root` (staging dirs are hidden and ignored)."""
-    if not root.is_dir():
-        return None
-    steps = sorted(p for p in root.glob("step_*") if (p / "state.json").exists())
+    steps = [p for p in checkpoint_dirs(root) if (p / "state.json").exists()]
     return steps[-1] if steps else None
 
 
-def prune_checkpoints(root: Path, keep: int) -> None:
-    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
+def checkpoint_dirs(root: Path) -> list[Path]:
+    """Every `step_<N>` directory under `root`, complete or not, in step order."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def prune_checkpoints(root: Path, keep: int, newest: Path | None = None) -> None:
+    """Delete all but the `keep` (>= 1) newest checkpoints up to `newest`, the one just written,
+    which is never deleted. Checkpoints with a higher step than `newest` are not this trajectory's
+    (a resume from an earlier one); they are left alone."""
+    from megalith.common.errors import ConfigError
+
+    if keep < 1:
+        raise ConfigError(f"keep_checkpoints must be >= 1, got {keep}")
+    steps = checkpoint_dirs(root)
+    if newest is not None:
+        newest_step = int(newest.name[5:])
+        steps = [p for p in steps if int(p.name[5:]) <= newest_step and p.name != newest.name]
+        keep -= 1  # `newest` itself is one of the kept
     for old in steps[: max(0, len(steps) - keep)]:
         shutil.rmtree(old, ignore_errors=True)
 

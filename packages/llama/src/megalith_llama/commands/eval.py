@@ -25,7 +25,19 @@ def register(sub: argparse._SubParsersAction, parent: argparse.ArgumentParser) -
     p.set_defaults(func=run)
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    from megalith.common.errors import ConfigError
+
+    if args.batch_size <= 0:
+        raise ConfigError(f"--batch-size must be > 0, got {args.batch_size}")
+    if args.max_batches is not None and args.max_batches <= 0:
+        raise ConfigError(f"--max-batches must be > 0, got {args.max_batches}")
+    if not args.data and args.seq_len <= 0:
+        raise ConfigError(f"--seq-len must be > 0, got {args.seq_len}")
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_args(args)  # before the model is loaded
     import torch
     from torch.utils.data import Dataset
     from tqdm import tqdm

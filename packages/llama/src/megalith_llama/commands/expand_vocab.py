@@ -35,7 +35,12 @@ def register(sub: argparse._SubParsersAction, parent: argparse.ArgumentParser) -
 
 def _measure_text(path: str | None) -> str:
     if path:
-        return Path(path).read_text(encoding="utf-8")
+        from megalith.common.errors import ConfigError
+
+        text = Path(path)
+        if not text.is_file():
+            raise ConfigError(f"--text {path}: no such file")
+        return text.read_text(encoding="utf-8")
     from megalith_llama.corpus import builtin_documents
 
     return "\n\n".join(d.text for d in builtin_documents("heldout"))
@@ -43,10 +48,13 @@ def _measure_text(path: str | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from megalith_llama.expand import expand_vocabulary
+    from megalith_llama.io import check_output_free
     from megalith_llama.model import default_model_dir, load_model
     from megalith_llama.tokenizer import read_new_tokens
 
+    check_output_free(args.output, args.overwrite)  # bad output or --text fail before any work
     tokens = read_new_tokens(args.new_tokens)
+    text = _measure_text(args.text)
     tok_path = Path(args.tokenizer) if args.tokenizer else default_model_dir(args.data_dir)
     model_source = args.model
     if model_source is None and tok_path.is_dir() and (tok_path / "config.json").is_file():
@@ -54,6 +62,6 @@ def run(args: argparse.Namespace) -> int:
     model = None
     if model_source is not None and not args.tokenizer_only:
         model = load_model(model_source, data_dir=args.data_dir).model
-    report = expand_vocabulary(tok_path, tokens, args.output, model, _measure_text(args.text), args.overwrite)
+    report = expand_vocabulary(tok_path, tokens, args.output, model, text, args.overwrite)
     print(json.dumps(vars(report), indent=2, ensure_ascii=False))
     return 0

@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction, parent: argparse.ArgumentParser) -
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of the document order and mixing (default 0)")
     p.add_argument(
-        "--num-tokens", type=int, default=None, help="target mixture size in tokens (needs weights)"
+        "--num-tokens", type=int, default=None, help="target mixture size in tokens, > 0 (needs weights)"
     )
     p.add_argument("--sequences-per-shard", type=int, default=8192, help="rows per shard file (default 8192)")
     p.add_argument(
@@ -51,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from megalith_llama.data import InputSpec, PrepareConfig, prepare
+    from megalith_llama.io import check_output_free
     from megalith_llama.model import load_tokenizer
 
     config = PrepareConfig(
@@ -66,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         text_unit=args.text_unit,
         add_bos=args.add_bos,
     )
+    check_output_free(args.output, args.overwrite)  # before loading and tokenizing anything
     tokenizer = load_tokenizer(args.tokenizer, args.data_dir)
     with tqdm(unit="tok", unit_scale=True, desc="tokenizing") as bar:
         result = prepare(config, tokenizer, args.output, overwrite=args.overwrite, progress=bar.update)

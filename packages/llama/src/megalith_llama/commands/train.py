@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from megalith_llama.train_config import TrainConfig, defaults
 
@@ -61,15 +62,29 @@ def add_training_flags(p: argparse.ArgumentParser, output: str) -> None:
     p.add_argument(
         "--max-tokens", type=int, default=None, help="stop after this many tokens (caps --max-steps)"
     )
-    p.add_argument("--clip", type=float, default=d.clip, help="global gradient-norm clip")
+    p.add_argument(
+        "--clip",
+        type=float,
+        default=d.clip,
+        help=f"clip the global gradient norm to this value (default {d.clip}; 0 turns clipping off)",
+    )
     p.add_argument(
         "--save-every", type=int, default=d.save_every, help="checkpoint every N steps (and at the end)"
     )
     p.add_argument(
-        "--keep-checkpoints", type=int, default=d.keep_checkpoints, help="checkpoints kept on disk"
+        "--keep-checkpoints",
+        type=int,
+        default=d.keep_checkpoints,
+        help=f"newest checkpoints kept on disk, >= 1 (default {d.keep_checkpoints})",
     )
     p.add_argument(
         "--resume", default=None, help="'auto' (latest checkpoint in --output, if any) or a checkpoint path"
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start from step 0 even if --output holds checkpoints of an earlier run, deleting them "
+        "(without it, such a run is refused; use --resume auto to continue it instead)",
     )
     p.add_argument(
         "--eval-every",
@@ -169,10 +184,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)  # bad flags fail here, before any rank is started
+    from megalith_llama.train import check_fresh_output, run_training
+
+    check_fresh_output(cfg, Path(cfg.output))  # so does an --output holding an earlier run
     code = relaunch_if_needed(args)
     if code is not None:
         return code
-    from megalith_llama.train import run_training
 
     result = run_training(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
