@@ -102,3 +102,28 @@ def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit):
         main(["inspect-data", "--help"])
     assert "--no-color" in capsys.readouterr().out
+
+
+def test_make_task_into_a_directory_names_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from megalith.common.errors import ConfigError
+    from megalith_chat.cli import _make_task, build_parser
+
+    args = build_parser().parse_args(["make-task", "--task", "reverse", "--num", "3", "--out", str(tmp_path)])
+    with pytest.raises(ConfigError, match="is a directory") as info:
+        _make_task(args)
+    assert str(tmp_path) in str(info.value)
+    assert main(["make-task", "--task", "reverse", "--num", "3", "--out", str(tmp_path)]) == 2
+    assert f"--out {tmp_path} is a directory" in capsys.readouterr().err
+
+
+def test_make_task_unwritable_path_is_a_config_error(tmp_path: Path) -> None:
+    from megalith.common.errors import ConfigError
+    from megalith_chat.cli import _make_task, build_parser
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    out = blocker / "sub" / "t.jsonl"  # the parent "folder" is a file
+    args = build_parser().parse_args(["make-task", "--task", "reverse", "--num", "3", "--out", str(out)])
+    with pytest.raises(ConfigError, match="cannot write") as info:
+        _make_task(args)
+    assert str(out) in str(info.value)

@@ -103,3 +103,14 @@ def test_malformed_line_names_file_and_line(tmp_path: Path, loader: Any, bad_lin
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="no such file"):
         load_prompt_dataset(tmp_path / "absent.jsonl")
+
+
+@pytest.mark.parametrize("loader", [load_sft_dataset, load_preference_dataset, load_prompt_dataset])
+def test_non_utf8_line_names_file_and_line(tmp_path: Path, loader: Any) -> None:
+    """A Latin-1 byte (0xe9, 'é') on line 3 is a DataError at file:3, not a UnicodeDecodeError."""
+    good = json.dumps({"prompt": "what is two plus two", "response": "four", "chosen": "a", "rejected": "b"})
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(f"{good}\n\n".encode() + '{"prompt": "caf\xe9", "response": "x"}\n'.encode("latin-1"))
+    with pytest.raises(DataError, match="not valid UTF-8") as info:
+        loader(path)
+    assert f"{path}:3:" in str(info.value) and "0xe9" in str(info.value)

@@ -143,6 +143,21 @@ def test_policy_loss_config_validates() -> None:
         )
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"eps_low": 1.5}, "eps_low=1.5"),
+        ({"eps_low": -0.1}, "eps_low=-0.1"),
+        ({"eps_high": -1.0}, "eps_high=-1.0"),
+        ({"dual_clip": 0.5}, "dual_clip=0.5"),
+    ],
+)
+def test_policy_loss_config_checks_clip_ranges(kwargs: dict[str, float], match: str) -> None:
+    """Bad clip ranges fail when the config is built (before any run starts), not in the first step."""
+    with pytest.raises(ConfigError, match=match):
+        PolicyLossConfig(**kwargs)
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     st.floats(0.05, 8.0),

@@ -73,6 +73,40 @@ def test_outside_grammar_is_never_evaluated(hostile: str) -> None:
     assert not answers_match(hostile, "1")
 
 
+@pytest.mark.parametrize(
+    "huge",
+    [
+        "(9^999)^999",  # ~10^6 digits: the base is a bracketed group holding a power
+        "((9^999)^999)^999",  # ~10^9 digits: would hold the GIL for minutes
+        "(999*999*999*999*999*999*999*999*999*999*999*999*999*999*999*999)^999",
+        "exp(exp(exp(9)))",
+        "(x+1)^999",  # simplify would expand 1000 terms
+        "(x+y)^30*(x+z)^30*(y+z)^30",
+    ],
+)
+def test_oversized_answers_are_rejected_quickly(huge: str) -> None:
+    """Answers inside the grammar whose value or expansion is too large score 0 without evaluation."""
+    import time
+
+    from megalith_chat.rewards import RewardRunner
+
+    assert parse_math("1+1") is not None  # imports sympy outside the timed part
+    start = time.perf_counter()
+    assert parse_math(huge) is None
+    assert math_reward(f"<answer>{huge}</answer>", {"answer": "1"}) == 0.0
+    result = RewardRunner(timeout_s=5.0)(math_reward, f"<answer>{huge}</answer>", {"answer": "1"})
+    assert result.score == 0.0 and not result.timed_out
+    assert time.perf_counter() - start < 1.0, huge
+
+
+@pytest.mark.parametrize(
+    ("predicted", "reference"),
+    [("(2^3)^2", "64"), ("sqrt(2)^12", "64"), ("9^999 / 9^998", "9"), ("(x+1)^2", "x^2 + 2x + 1")],
+)
+def test_small_nested_powers_still_match(predicted: str, reference: str) -> None:
+    assert answers_match(predicted, reference)
+
+
 def test_math_reward() -> None:
     sample = {"prompt": "What is 17 + 25?", "answer": "42"}
     assert math_reward("<think>17+25</think><answer>42</answer>", sample) == 1.0

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from megalith.common.errors import DataError
+from megalith.common.errors import ConfigError, DataError
 from megalith_chat.data import (
     CHATML_TEMPLATE,
     IGNORE_INDEX,
@@ -63,6 +63,13 @@ def test_truncation_keeps_alignment(chat_tokenizer: Any) -> None:
     example = tokenize_conversation(chat_tokenizer, CONVERSATION, max_length=14)
     assert len(example.input_ids) == len(example.labels) == 14
     assert _trained_positions(example) == [12, 13]
+
+
+@pytest.mark.parametrize("max_length", [0, 1, -3])
+def test_max_length_below_minimum_is_rejected(chat_tokenizer: Any, max_length: int) -> None:
+    """0 crashed in the model and -3 silently cut 3 tokens off every example (``ids[:-3]``)."""
+    with pytest.raises(ConfigError, match=f"max_length must be >= 2, got {max_length}"):
+        tokenize_conversation(chat_tokenizer, CONVERSATION, max_length=max_length)
 
 
 def test_chatml_fallback_template_golden(make_chat_tokenizer: Any) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -70,3 +71,72 @@ def test_supervised_bad_inputs(model_dir: Path, tmp_path: Path, capsys: pytest.C
     assert f"{bad}:1" in capsys.readouterr().err
     assert main(["sft", "--model", str(tmp_path / "missing"), "--data", str(bad)]) == 2
     assert "neither 'smollm2'" in capsys.readouterr().err
+
+
+def test_truncation_that_leaves_no_trained_token_names_the_line(chat_tokenizer: Any, tmp_path: Path) -> None:
+    """A prompt that fills --max-length leaves a side with no trained token: DataError at file:line."""
+    from megalith.common.errors import DataError
+    from megalith_chat.trainer.supervised import preference_dataset, sft_dataset
+
+    long_prompt = "hello there how are you today"  # 9 tokens before the response with the headers
+    sides = {"chosen": "four", "rejected": "two two"}
+    pairs = [{"prompt": "hi", **sides}, {"prompt": long_prompt, **sides}]
+    pref = _write(tmp_path / "pref.jsonl", pairs)
+    assert len(preference_dataset(str(pref), chat_tokenizer, 64)) == 2
+    with pytest.raises(DataError, match="the chosen response has no trained token") as info:
+        preference_dataset(str(pref), chat_tokenizer, 6)
+    assert f"{pref}:2:" in str(info.value) and "max_length=6" in str(info.value)
+    sft = _write(
+        tmp_path / "sft.jsonl",
+        [{"prompt": "hi", "response": "four"}, {"prompt": long_prompt, "response": "x"}],
+    )
+    assert len(sft_dataset(str(sft), chat_tokenizer, 64)) == 2
+    with pytest.raises(DataError, match="no trained token") as info:
+        sft_dataset(str(sft), chat_tokenizer, 6)
+    assert f"{sft}:2:" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "error"),
+    [
+        ("--batch-size", "0", "ConfigError"),
+        ("--grad-accum", "0", "ConfigError"),
+        ("--nproc-per-node", "0", "ConfigError"),
+        ("--steps", "0", "ConfigError"),
+        ("--steps", "-4", "ConfigError"),
+        ("--max-length", "0", "ConfigError"),
+        ("--max-length", "-3", "ConfigError"),
+        ("--save-every", "-1", "ConfigError"),
+        ("--lr", "0", "ConfigError"),
+    ],
+)
+def test_bad_sizes_are_rejected_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str, error: str
+) -> None:
+    """The model path does not exist: the flag's error must come first (nothing is loaded)."""
+    from megalith.common import errors
+    from megalith_chat.cli import build_parser
+    from megalith_chat.commands import check_supervised_args
+
+    data = _write(tmp_path / "sft.jsonl", [{"prompt": "hi", "response": "four"}])
+    argv = ["sft", "--model", str(tmp_path / "missing"), "--data", str(data), "--no-progress", flag, value]
+    with pytest.raises(getattr(errors, error)) as info:
+        check_supervised_args(build_parser().parse_args(argv))
+    assert flag in str(info.value) and value in str(info.value)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert flag in err and value in err and "neither 'smollm2'" not in err
+
+
+def test_sft_resume_drops_rows_logged_after_the_checkpoint(model_dir: Path, tmp_path: Path) -> None:
+    """Steps 4 and 5 were logged but not checkpointed (a crash): the resumed run logs them once."""
+    data = _write(tmp_path / "sft.jsonl", [{"prompt": p, "response": c} for p, c, _ in PAIRS])
+    out = tmp_path / "run"
+    _run("sft", model_dir, data, out, "--steps", "4", "--save-every", "2", "--plugin", "ddp")
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 4, "loss": -1.0}) + "\n" + json.dumps({"step": 5, "loss": -1.0}) + "\n")
+    rows = _run(
+        "sft", model_dir, data, out, "--steps", "6", "--save-every", "2", "--plugin", "ddp", "--resume"
+    )
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]
+    assert all(r["loss"] > 0 for r in rows)  # the stale rows of steps 4 and 5 are gone

@@ -112,11 +112,16 @@ def _make_task(args: argparse.Namespace) -> str:
 
     if args.num < 1:
         raise ConfigError(f"--num must be >= 1, got {args.num}")
+    if args.out.is_dir():
+        raise ConfigError(f"--out {args.out} is a directory; give the path of the JSONL file to write")
     examples = get_task(args.task).generate(args.num, args.seed)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        for example in examples:
-            f.write(json.dumps(example.to_record()) + "\n")
+    try:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as f:
+            for example in examples:
+                f.write(json.dumps(example.to_record()) + "\n")
+    except OSError as exc:
+        raise ConfigError(f"--out {args.out}: cannot write the file ({exc.strerror or exc})") from exc
     return f"wrote {len(examples)} {args.task} prompts to {args.out}"
 
 

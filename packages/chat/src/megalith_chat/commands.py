@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +19,26 @@ DEFAULT_SYSTEM = (
     "You are a calculator. Reply with only the result inside <answer></answer>, "
     "for example <answer>2 + 2 = 4</answer>."
 )
+# the smallest value of each integer flag (checked before any work, see check_*_args)
+COMMON_MINIMUMS = {"steps": 1, "save_every": 0, "lora_r": 0, "tp": 1, "pp": 1, "num_microbatches": 1}
+SUPERVISED_MINIMUMS = {"batch_size": 1, "grad_accum": 1, "nproc_per_node": 1}
+GRPO_MINIMUMS = {
+    "group_size": 2,
+    "prompts_per_step": 1,
+    "max_new_tokens": 1,
+    "micro_batch_size": 1,
+    "max_staleness": 0,
+    "queue_size": 1,
+    "num_producers": 1,
+    "num_consumers": 1,
+    "num_cpus": 1,
+    "threads_per_actor": 1,
+    "max_operand": 1,
+}
+_WHY = {"group_size": " (the advantage compares the G samples of a prompt with each other)"}
 
 
-def _common(p: argparse.ArgumentParser, out: str, lr: float, lora_r: int = 0) -> None:
+def _common(p: argparse.ArgumentParser, out: str, lr: float, lora_r: int = 0, steps: int = 50) -> None:
     p.add_argument(
         "--model",
         default="smollm2",
@@ -87,7 +106,7 @@ def _common(p: argparse.ArgumentParser, out: str, lr: float, lora_r: int = 0) ->
         "weights and optimizer states in bf16 (ddp/zero1/zero2 without --tp/--pp)",
     )
     p.add_argument("--lr", type=float, default=lr, help=f"AdamW learning rate (default: {lr:g})")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps, >= 1 (default: {steps})")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument(
         "--save-every",
@@ -104,7 +123,10 @@ def _common(p: argparse.ArgumentParser, out: str, lr: float, lora_r: int = 0) ->
         f"fine-tuning (default: {lora_r})",
     )
     p.add_argument(
-        "--lora-alpha", type=float, default=2.0 * (lora_r or 8), help="LoRA alpha (default: 2 x rank)"
+        "--lora-alpha",
+        type=float,
+        default=None,
+        help="LoRA alpha; the adapters' update is scaled by alpha / rank (default: 2 x --lora-r)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -118,7 +140,7 @@ def add_grpo_parser(sub: Any) -> None:
     )
     # CPU-sized defaults: LoRA (only the adapters are trained and synced: ~1 MB instead of 540 MB
     # per step), single-digit additions, 2 prompts x 8 samples, 24 steps (see the package README)
-    _common(p, "runs/grpo", 5e-4, lora_r=16)
+    _common(p, "runs/grpo", 5e-4, lora_r=16, steps=24)
     p.add_argument(
         "--task",
         choices=["arithmetic", "reverse"],
@@ -126,28 +148,41 @@ def add_grpo_parser(sub: Any) -> None:
         help="built-in verifiable task (default: arithmetic)",
     )
     p.add_argument(
-        "--prompts", type=Path, default=None, help="JSONL prompt dataset instead of --task (needs --reward)"
+        "--prompts",
+        type=Path,
+        default=None,
+        help="JSONL prompt dataset instead of --task (needs --reward); records may carry their own "
+        "system turn ('system' field or a system message)",
     )
     p.add_argument(
         "--reward",
         default=None,
-        help="reward spec, e.g. 'math=1,answer_format=0.2' or 'pkg.module:function' (default: the task's)",
+        help="reward spec, e.g. 'math=1,answer_format=0.2' or 'pkg.module:function', checked before Ray "
+        "starts (default: the task's)",
     )
     p.add_argument("--max-operand", type=int, default=9, help="arithmetic operands are 0..N (default: 9)")
     p.add_argument("--ops", default="+", help="arithmetic operators, a subset of '+-*' (default: '+')")
     p.add_argument(
         "--response-prefix",
-        default=DEFAULT_PREFIX,
-        help="text that starts every response (the reward sees prefix + completion; default: '<answer>'; "
-        "'' for none)",
+        default=None,
+        help="text that starts every response; the reward sees prefix + completion ('' for none). "
+        "Default: '<answer>' with --task arithmetic, none with --task reverse or --prompts",
     )
     p.add_argument(
         "--system-prompt",
-        default=DEFAULT_SYSTEM,
-        help="system message put before every prompt ('' for the tokenizer template's own; default: a "
-        "calculator instruction with one <answer> example)",
+        default=None,
+        help="system turn for every prompt that has none; a --prompts record's own system turn is never "
+        "replaced ('' for none: the tokenizer template's default applies). Default: with --task "
+        "arithmetic a calculator instruction with one <answer> example, with --task reverse or "
+        "--prompts none",
     )
-    p.add_argument("--group-size", "-G", type=int, default=8, help="samples per prompt G (default: 8)")
+    p.add_argument(
+        "--group-size",
+        "-G",
+        type=int,
+        default=8,
+        help="samples per prompt G, >= 2: the advantage compares them with each other (default: 8)",
+    )
     p.add_argument("--prompts-per-step", type=int, default=2, help="prompts per training step (default: 2)")
     p.add_argument(
         "--max-new-tokens", type=int, default=12, help="generation budget per response (default: 12)"
@@ -181,9 +216,14 @@ def add_grpo_parser(sub: Any) -> None:
         default=0.0,
         help="k3-KL penalty to the initial policy in the loss (default: 0)",
     )
-    p.add_argument("--clip-eps", type=float, default=0.2, help="PPO clip epsilon (low side; default: 0.2)")
     p.add_argument(
-        "--clip-eps-high", type=float, default=0.28, help="PPO clip epsilon, high side (DAPO; default: 0.28)"
+        "--clip-eps", type=float, default=0.2, help="PPO clip epsilon, low side, in [0, 1) (default: 0.2)"
+    )
+    p.add_argument(
+        "--clip-eps-high",
+        type=float,
+        default=0.28,
+        help="PPO clip epsilon, high side (DAPO), >= 0 (default: 0.28)",
     )
     p.add_argument(
         "--micro-batch-size", type=int, default=8, help="rows per forward/backward on a rank (default: 8)"
@@ -242,7 +282,13 @@ def _supervised_parser(sub: Any, name: str, help_text: str, lr: float) -> argpar
     p.add_argument("--data", type=Path, required=True, help="JSONL dataset (formats in the package README)")
     p.add_argument("--batch-size", type=int, default=4, help="examples per micro-batch per rank (default: 4)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default: 1)")
-    p.add_argument("--max-length", type=int, default=512, help="truncate tokenised examples (default: 512)")
+    p.add_argument(
+        "--max-length",
+        type=int,
+        default=512,
+        help="truncate tokenised examples to N >= 2 tokens; an example (or a preference pair's side) "
+        "left without a trained token is an error naming its file:line (default: 512)",
+    )
     p.add_argument(
         "--nproc-per-node", type=int, default=1, help="data-parallel ranks on this machine (default: 1)"
     )
@@ -259,8 +305,72 @@ def add_supervised_parsers(sub: Any) -> None:
     _supervised_parser(sub, "rm", "reward-model training (Bradley-Terry) on chosen/rejected pairs", 1e-5)
 
 
+def _check_minimums(args: argparse.Namespace, minimums: Mapping[str, int]) -> None:
+    for name, minimum in minimums.items():
+        value = getattr(args, name, None)
+        if value is not None and value < minimum:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} must be >= {minimum}, got {value}{_WHY.get(name, '')}")
+
+
+def _check_positive(args: argparse.Namespace, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"--{name.replace('_', '-')} must be a number > 0, got {value}")
+
+
+def check_supervised_args(args: argparse.Namespace) -> None:
+    """``ConfigError`` naming the flag and its value, before any model loads or rank starts."""
+    from megalith_chat.data.sft import check_max_length
+
+    _check_minimums(args, {**COMMON_MINIMUMS, **SUPERVISED_MINIMUMS})
+    check_max_length(args.max_length, "--max-length")
+    _check_positive(args, ("lr",))
+
+
+def check_grpo_args(args: argparse.Namespace) -> None:
+    """``ConfigError`` naming the flag and its value, before Ray starts: sizes, clip range, the
+    prompts file and the reward spec (with ``--ray-address`` the workers may import reward modules
+    that this process cannot, so only the spec's form and built-in names are checked then)."""
+    from megalith_chat.engine.prompts import resolve_reward
+    from megalith_chat.rewards import check_reward_spec
+
+    _check_minimums(args, {**COMMON_MINIMUMS, **GRPO_MINIMUMS})
+    _check_positive(args, ("lr", "timeout"))
+    if not 0.0 <= args.clip_eps < 1.0:
+        raise ConfigError(f"--clip-eps must be in [0, 1), got {args.clip_eps}")
+    if not args.clip_eps_high >= 0.0:
+        raise ConfigError(f"--clip-eps-high must be >= 0, got {args.clip_eps_high}")
+    if args.prompts is not None and not Path(args.prompts).is_file():
+        raise ConfigError(f"--prompts {args.prompts}: no such file")
+    if args.reward is not None and args.ray_address is None:
+        resolve_reward(args.reward)  # also imports 'pkg.module:function' rewards
+    elif args.reward is not None:
+        check_reward_spec(args.reward)
+
+
+def grpo_prompt_defaults(args: argparse.Namespace) -> tuple[str | None, str]:
+    """``(system prompt, response prefix)`` of a ``grpo`` run.
+
+    Unset flags default to :data:`DEFAULT_SYSTEM` and :data:`DEFAULT_PREFIX` for the built-in
+    arithmetic task only (SmolLM2 needs the example to close its ``<answer>`` tag); other tasks
+    and prompt files get neither. The system prompt is added only to prompts without a system
+    turn of their own (``engine/prompts.py``); ``''`` means none.
+    """
+    arithmetic = args.prompts is None and args.task == "arithmetic"
+    system = args.system_prompt
+    if system is None:
+        system = DEFAULT_SYSTEM if arithmetic else ""
+    prefix = args.response_prefix
+    if prefix is None:
+        prefix = DEFAULT_PREFIX if arithmetic else ""
+    return system or None, prefix
+
+
 def grpo_config(args: argparse.Namespace) -> Any:
-    """The :class:`GRPORunConfig` of the parsed ``grpo`` arguments."""
+    """The :class:`GRPORunConfig` of the parsed ``grpo`` arguments (checked by :func:`check_grpo_args`)."""
+    check_grpo_args(args)
     from megalith_chat.algorithms import PolicyLossConfig
     from megalith_chat.engine.config import EngineConfig, GRPORunConfig, PromptSource
     from megalith_chat.modeling import LoraSpec
@@ -271,13 +381,14 @@ def grpo_config(args: argparse.Namespace) -> Any:
     options: tuple[tuple[str, int | str], ...] = ()
     if args.prompts is None and args.task == "arithmetic":
         options = (("max_operand", args.max_operand), ("ops", args.ops))
+    system, prefix = grpo_prompt_defaults(args)
     prompts = PromptSource(
         task=None if args.prompts else args.task,
         prompts_file=str(args.prompts) if args.prompts else None,
         reward=args.reward,
         seed=args.seed,
         task_options=options,
-        system_prompt=args.system_prompt or None,
+        system_prompt=system,
     )
     t = args.timeout
     return GRPORunConfig(
@@ -291,7 +402,7 @@ def grpo_config(args: argparse.Namespace) -> Any:
             sampling=SamplingConfig(args.max_new_tokens, args.temperature),
             dynamic_sampling=args.dynamic_sampling,
             overlong=args.overlong,
-            response_prefix=args.response_prefix,
+            response_prefix=prefix,
         ),
         learner=LearnerConfig(
             loss=PolicyLossConfig(eps_low=args.clip_eps, eps_high=args.clip_eps_high, kl_coef=args.kl_coef),
@@ -315,8 +426,8 @@ def grpo_config(args: argparse.Namespace) -> Any:
             step_timeout_s=t,
             sync_timeout_s=t,
         ),
-        lora=LoraSpec(r=args.lora_r, alpha=args.lora_alpha) if args.lora_r > 0 else None,
-        steps=args.steps or 24,
+        lora=LoraSpec.for_rank(args.lora_r, args.lora_alpha),  # alpha: 2 x rank unless given
+        steps=args.steps,
         prompts_per_step=args.prompts_per_step,
         lr=args.lr,
         plugin=args.plugin,
@@ -349,6 +460,7 @@ def run_supervised(args: argparse.Namespace) -> str:
     """sft / dpo / rm, in this process or re-launched on ``--nproc-per-node`` ranks."""
     from megalith.distributed import launch, relaunch, shutdown, under_launcher
 
+    check_supervised_args(args)
     if args.nproc_per_node > 1 and not under_launcher():
         import sys
 

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 class MetricsWriter:
@@ -31,6 +35,39 @@ class MetricsWriter:
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_metrics(path: str | Path, first_step: int) -> int:
+    """Keep only the rows of ``path`` with ``step < first_step`` (a resume from the checkpoint of
+    step ``first_step - 1`` logs the later steps again); returns how many rows were dropped.
+
+    Rewritten atomically: a temporary file in the same folder, then ``os.replace``. A line cut off
+    by a crash (not valid JSON) is dropped too. A missing file is left missing.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept: list[str] = []
+    dropped = 0
+    with open(path, encoding="utf-8") as f:
+        for line in filter(str.strip, f):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                row = None
+            step = row.get("step") if isinstance(row, dict) else None
+            if isinstance(step, int) and step < first_step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+            else:
+                dropped += 1
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+    if dropped:
+        logger.warning(
+            "%s: dropped %d rows logged after the checkpoint (step >= %d)", path, dropped, first_step
+        )
+    return dropped
 
 
 def plot_reward_curve(rows: Sequence[Mapping[str, Any]], out: str | Path, title: str = "GRPO") -> Path:

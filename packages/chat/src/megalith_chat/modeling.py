@@ -103,6 +103,15 @@ class LoraSpec:
         if not self.target_modules:
             raise ConfigError("LoRA needs at least one target module")
 
+    @classmethod
+    def for_rank(cls, r: int, alpha: float | None = None) -> LoraSpec | None:
+        """``LoraSpec(r, alpha)`` with ``alpha = 2 r`` unless given; ``None`` (full fine-tuning) for ``r = 0``."""
+        if r < 0:
+            raise ConfigError(f"LoRA rank must be >= 0 (0 = full fine-tuning), got {r}")
+        if r == 0:
+            return None
+        return cls(r=r, alpha=2.0 * r if alpha is None else alpha)
+
 
 def load_policy(path: str | Path, lora: LoraSpec | None = None, seed: int = 0) -> Any:
     """An fp32 causal LM from a local directory, with LoRA adapters (seeded) if ``lora`` is given."""

@@ -125,6 +125,12 @@ class PolicyLossConfig:
     tis_cap: float | None = None
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.eps_low < 1.0:
+            raise ConfigError(f"need 0 <= eps_low < 1, got eps_low={self.eps_low}")
+        if self.eps_high is not None and self.eps_high < 0.0:
+            raise ConfigError(f"need eps_high >= 0, got eps_high={self.eps_high}")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ConfigError(f"need dual_clip > 1, got dual_clip={self.dual_clip}")
         if self.agg_mode not in AGG_MODES:
             raise ConfigError(f"unknown agg_mode {self.agg_mode!r}; expected one of {AGG_MODES}")
         if self.kl_estimator not in ("k1", "k2", "k3"):

@@ -69,11 +69,18 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file")
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # decoded line by line, so a bad byte is reported at its own line
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(
+                    f"{where}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} of the "
+                    "line); re-encode the file as UTF-8"
+                ) from exc
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:

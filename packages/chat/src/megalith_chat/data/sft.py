@@ -17,10 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from megalith.common.errors import DataError
+from megalith.common.errors import ConfigError, DataError
 from megalith_chat.data.templates import Message, render_chat
 
 IGNORE_INDEX = -100  # the label value Hugging Face losses skip
+MIN_MAX_LENGTH = 2  # a causal LM needs one context token before the first predicted one
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,10 @@ def tokenize_conversation(
     """Tokenise a conversation with labels only on assistant content + end-of-turn tokens.
 
     ``train_on="last"`` labels only the final assistant turn (preference data, where earlier
-    assistant turns are context). ``max_length`` truncates from the right.
+    assistant turns are context). ``max_length`` (>= ``MIN_MAX_LENGTH``, else :class:`ConfigError`)
+    truncates from the right; it may leave no trained token (:func:`check_trained_tokens`).
     """
+    check_max_length(max_length)
     full, spans = assistant_spans(tokenizer, messages, train_on, where)
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(encoded["input_ids"])
@@ -99,6 +102,28 @@ def tokenize_conversation(
     if max_length is not None:
         ids, labels = ids[:max_length], labels[:max_length]
     return TokenizedExample(tuple(ids), tuple(labels))
+
+
+def check_max_length(max_length: int | None, flag: str = "max_length") -> None:
+    """:class:`ConfigError` naming ``max_length`` unless it is ``None`` or ``>= MIN_MAX_LENGTH``."""
+    if max_length is not None and max_length < MIN_MAX_LENGTH:
+        raise ConfigError(f"{flag} must be >= {MIN_MAX_LENGTH}, got {max_length}")
+
+
+def check_trained_tokens(
+    example: TokenizedExample, where: str, max_length: int | None, what: str = ""
+) -> None:
+    """:class:`DataError` naming ``where`` when truncation left ``example`` no trained token.
+
+    Such an example would add nothing to the SFT loss (and a preference pair with an empty side
+    compares two prompts: a constant DPO loss of log 2, a reward model scoring truncated text).
+    """
+    if example.num_trained_tokens == 0:
+        side = f"the {what} response " if what else ""
+        raise DataError(
+            f"{where}: {side}has no trained token left after truncation to max_length={max_length} "
+            f"(the tokens before the response already fill it); raise --max-length or shorten the prompt"
+        )
 
 
 @dataclass(frozen=True)

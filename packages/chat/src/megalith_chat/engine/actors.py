@@ -10,7 +10,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -22,9 +22,11 @@ import torch.distributed as dist
 from megalith.common.errors import ConfigError
 from megalith_chat.data.datasets import PromptExample
 from megalith_chat.engine.fast_rollout import make_fast_generator
+from megalith_chat.engine.prompts import WeightedSum as WeightedSum  # re-exported (defined there)
+from megalith_chat.engine.prompts import resolve_reward
 from megalith_chat.messages import RolloutBatch, Shutdown
 from megalith_chat.modeling import export_hf, is_peft, load_policy, load_tokenizer_dir
-from megalith_chat.rewards import RewardFunction, RewardRunner, load_reward_function, parse_reward_spec
+from megalith_chat.rewards import RewardRunner
 from megalith_chat.rollout.generation import SamplingConfig, generate
 from megalith_chat.rollout.producer import PromptStream, RolloutWorker
 from megalith_chat.rollout.weight_sync import SyncGroupSpec, WeightSyncGroup, receive_weights, send_weights
@@ -35,28 +37,6 @@ from megalith_chat.trainer.pp import pipeline_options
 from megalith_chat.trainer.setup import make_booster, make_optimizer
 
 logger = logging.getLogger(__name__)
-
-
-class WeightedSum:
-    """``sum_i w_i f_i(completion, sample)`` without per-term isolation (the caller's runner isolates)."""
-
-    def __init__(self, spec: str) -> None:
-        self.spec = spec
-        self.components = parse_reward_spec(spec)
-
-    def __call__(self, completion: str, sample: Mapping[str, Any]) -> float:
-        return sum(c.weight * float(c.fn(completion, sample)) for c in self.components)
-
-
-def resolve_reward(spec: str) -> RewardFunction:
-    """A task name (``arithmetic``/``reverse``), a single reward, or a weighted spec ``a=1,b=0.2``."""
-    from megalith_chat.data.tasks import TASKS
-
-    if spec in TASKS:
-        return TASKS[spec].reward
-    if "," in spec or "=" in spec:
-        return WeightedSum(spec)
-    return load_reward_function(spec)
 
 
 def _set_threads(n: int) -> None:

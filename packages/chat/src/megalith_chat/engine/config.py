@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megalith.common.errors import ConfigError
+from megalith_chat.data.tasks import TASKS
 from megalith_chat.modeling import LoraSpec
+from megalith_chat.rewards import check_reward_spec
 from megalith_chat.rollout.producer import RolloutConfig
 from megalith_chat.trainer.grpo import LearnerConfig
 from megalith_chat.trainer.parallel import check_parallel
@@ -52,7 +54,11 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class PromptSource:
-    """Where prompts and rewards come from: a built-in task or a JSONL file plus a reward spec."""
+    """Where prompts and rewards come from: a built-in task or a JSONL file plus a reward spec.
+
+    ``system_prompt`` becomes the system turn of every prompt that has none; a prompt that has
+    one (a prompts file's ``system`` field or system message) keeps its own.
+    """
 
     task: str | None = "arithmetic"
     prompts_file: str | None = None
@@ -65,8 +71,12 @@ class PromptSource:
     def __post_init__(self) -> None:
         if (self.task is None) == (self.prompts_file is None):
             raise ConfigError("give exactly one of a built-in task or a prompts file")
+        if self.task is not None and self.task not in TASKS:
+            raise ConfigError(f"unknown task {self.task!r}; expected one of {sorted(TASKS)}")
         if self.prompts_file is not None and self.reward is None:
             raise ConfigError("a prompts file needs a reward spec (e.g. 'math=1,answer_format=0.2')")
+        if self.reward is not None and self.reward not in TASKS:
+            check_reward_spec(self.reward)  # import paths are imported by the producers only
         if self.num_prompts < 1:
             raise ConfigError(f"num_prompts must be >= 1, got {self.num_prompts}")
 
@@ -131,6 +141,12 @@ class GRPORunConfig:
             raise ConfigError(
                 f"eval_every = {self.eval_every} needs generation on the consumers, which "
                 f"sp_mode={self.sp_mode!r} does not support (one new token is no sequence to split)"
+            )
+        if self.rollout.group_size < 2:
+            raise ConfigError(
+                f"group_size = {self.rollout.group_size}: the {self.learner.advantage!r} advantage compares "
+                "the samples of a prompt with each other, so it needs group_size >= 2 (a group of one "
+                "gets advantage 0 and teaches nothing)"
             )
         samples = self.prompts_per_step * self.rollout.group_size
         dp = self.engine.num_consumers // (self.tp * self.pp)

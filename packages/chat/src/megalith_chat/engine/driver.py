@@ -29,11 +29,12 @@ from typing import Any
 
 from megalith.common.errors import DistributedError
 from megalith.common.utils import free_loopback_port, require
+from megalith_chat.data.datasets import PromptExample
 from megalith_chat.engine.cluster import check_watched, kill_all, start_ray, wait_all
 from megalith_chat.engine.config import GRPORunConfig
 from megalith_chat.engine.prompts import eval_prompts, load_prompts
 from megalith_chat.messages import RolloutBatch
-from megalith_chat.metrics import MetricsWriter, plot_reward_curve
+from megalith_chat.metrics import MetricsWriter, plot_reward_curve, read_metrics, truncate_metrics
 from megalith_chat.modeling import resolve_model
 from megalith_chat.rollout.batching import RolloutBuffer
 from megalith_chat.rollout.weight_sync import SyncGroupSpec
@@ -81,14 +82,13 @@ class GRPOEngine:
         self.positions: dict[int, int] = {}
 
     # -- setup ---------------------------------------------------------------------------------
-    def _start_actors(self, model_dir: str, positions: dict[int, int]) -> None:
+    def _start_actors(self, model_dir: str, positions: dict[int, int], prompts: list[PromptExample]) -> None:
         ray = require("ray")
         from ray.util.queue import Queue
 
         from megalith_chat.engine.actors import ConsumerActor, ProducerActor
 
         cfg, eng = self.config, self.config.engine
-        prompts = load_prompts(cfg.prompts)
         producer_cls = ray.remote(num_cpus=0, max_concurrency=4)(ProducerActor)
         consumer_cls = ray.remote(num_cpus=0, max_concurrency=2)(ConsumerActor)
         self.queue = Queue(maxsize=eng.queue_size, actor_options={"num_cpus": 0})
@@ -239,11 +239,12 @@ class GRPOEngine:
         start = time.perf_counter()
         self.out.mkdir(parents=True, exist_ok=True)
         model_dir = str(resolve_model(cfg.model, cfg.data_dir))
+        prompts = load_prompts(cfg.prompts)  # a bad prompts file fails here, before Ray starts
         started = start_ray(cfg.engine.ray_address, cfg.engine.num_cpus)
         try:
             positions, resuming = self._checkpoint_positions()
             self.positions = dict(positions)
-            self._start_actors(model_dir, positions)
+            self._start_actors(model_dir, positions, prompts)
             first = self._resume() + 1 if resuming else 0
             if resuming:
                 self._sync()
@@ -254,6 +255,8 @@ class GRPOEngine:
 
     def _loop(self, first: int, start: float) -> RunSummary:
         cfg = self.config
+        if first > 0:  # steps logged after the checkpoint are trained again: drop their rows
+            truncate_metrics(self.out / "metrics.jsonl", first)
         writer = MetricsWriter(self.out / "metrics.jsonl", append=first > 0)
         buffer = RolloutBuffer(cfg.prompts_per_step, cfg.engine.max_staleness)
         bar = _progress(cfg.steps, first) if self.progress else None
@@ -286,7 +289,8 @@ class GRPOEngine:
             refs = {f"consumer rank {i}": c.export.remote(path) for i, c in enumerate(self.consumers)}
             wait_all(refs, cfg.engine.step_timeout_s, what="exporting the model")
             model_dir = path
-        rows = [r for r in writer.rows if r.get("step", -1) >= 0]
+        history = read_metrics(writer.path)  # the whole run, also the steps before a resume
+        rows = [r for r in history if r.get("step", -1) >= 0]
         plot = str(plot_reward_curve(rows, self.out / "reward_curve.png")) if rows else None
         return RunSummary(
             str(self.out),
@@ -295,7 +299,7 @@ class GRPOEngine:
             str(writer.path),
             plot,
             model_dir,
-            writer.rows,
+            history,
         )
 
     def _shutdown(self, started: bool) -> None:

@@ -1,13 +1,16 @@
-"""Prompt datasets for GRPO runs: a built-in task (with options) or a JSONL prompt file."""
+"""Prompt datasets for GRPO runs: a built-in task (with options) or a JSONL prompt file, and
+the reward function of a run (a task's reward or a reward spec)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
 from megalith.common.errors import ConfigError
 from megalith_chat.data.datasets import PromptExample, load_prompt_dataset
 from megalith_chat.data.tasks import get_task
+from megalith_chat.rewards import RewardFunction, load_reward_function, parse_reward_spec
 
 TASK_OPTIONS = {"arithmetic": ("max_operand", "ops"), "reverse": ("min_len", "max_len", "digits")}
 
@@ -23,14 +26,38 @@ def _task_prompts(task: str, num: int, seed: int, options: dict[str, Any]) -> li
     return fn(num, seed, **options)
 
 
+class WeightedSum:
+    """``sum_i w_i f_i(completion, sample)`` without per-term isolation (the caller's runner isolates)."""
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+        self.components = parse_reward_spec(spec)
+
+    def __call__(self, completion: str, sample: Mapping[str, Any]) -> float:
+        return sum(c.weight * float(c.fn(completion, sample)) for c in self.components)
+
+
+def resolve_reward(spec: str) -> RewardFunction:
+    """A task name (``arithmetic``/``reverse``), a single reward, or a weighted spec ``a=1,b=0.2``."""
+    from megalith_chat.data.tasks import TASKS
+
+    if spec in TASKS:
+        return TASKS[spec].reward
+    if "," in spec or "=" in spec:
+        return WeightedSum(spec)
+    return load_reward_function(spec)
+
+
 def _with_system(prompts: list[PromptExample], system: str | None) -> list[PromptExample]:
+    """Put ``system`` first in every prompt that has no system turn; one that has keeps its own."""
     if system is None:
         return prompts
-    out = []
-    for p in prompts:
-        turns = tuple(m for m in p.prompt if m["role"] != "system")
-        out.append(replace(p, prompt=({"role": "system", "content": system}, *turns)))
-    return out
+    return [
+        p
+        if any(m["role"] == "system" for m in p.prompt)
+        else replace(p, prompt=({"role": "system", "content": system}, *p.prompt))
+        for p in prompts
+    ]
 
 
 def load_prompts(src: Any) -> list[PromptExample]:

@@ -18,6 +18,7 @@ from megalith_chat.rewards.compose import (
     CompositeRewardResult,
     RewardComponent,
     WeightedReward,
+    check_reward_spec,
     load_reward_function,
     parse_reward_spec,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "WeightedReward",
     "answer_format_reward",
     "answers_match",
+    "check_reward_spec",
     "code_reward",
     "exact_answer_reward",
     "extract_answer",

@@ -77,9 +77,9 @@ class CompositeRewardResult:
         return sum(r.timed_out for _, r in self.parts)
 
 
-def parse_reward_spec(spec: str) -> tuple[RewardComponent, ...]:
-    """``"math=1,think_format=0.1"`` -> components (see module docstring)."""
-    components = []
+def _spec_items(spec: str) -> list[tuple[str, float]]:
+    """``"math=1,think_format=0.1"`` -> ``[("math", 1.0), ("think_format", 0.1)]`` (no import)."""
+    items = []
     for item in (part.strip() for part in spec.split(",")):
         if not item:
             continue
@@ -90,10 +90,30 @@ def parse_reward_spec(spec: str) -> tuple[RewardComponent, ...]:
             weight = float(weight_text)
         except ValueError as exc:
             raise ConfigError(f"reward weight in {item!r} is not a number: {weight_text!r}") from exc
-        components.append(RewardComponent(name, load_reward_function(name), weight))
-    if not components:
+        items.append((name.strip(), weight))
+    if not items:
         raise ConfigError(f"reward spec {spec!r} names no reward")
-    return tuple(components)
+    return items
+
+
+def check_reward_spec(spec: str) -> None:
+    """:class:`ConfigError` for a malformed spec or an unknown built-in name, without importing
+    anything: ``pkg.module:function`` paths are only checked for their form (they may be
+    importable on the Ray workers only); :func:`parse_reward_spec` also imports them."""
+    for name, weight in _spec_items(spec):
+        module_name, sep, attr = name.partition(":")
+        if name not in BUILTIN_REWARDS and not (sep and module_name and attr):
+            raise ConfigError(
+                f"unknown reward {name!r} in {spec!r}: expected one of {sorted(BUILTIN_REWARDS)} "
+                "or 'pkg.module:function'"
+            )
+        if not math.isfinite(weight):
+            raise ConfigError(f"reward {name!r} has a non-finite weight {weight}")
+
+
+def parse_reward_spec(spec: str) -> tuple[RewardComponent, ...]:
+    """``"math=1,think_format=0.1"`` -> components (see module docstring)."""
+    return tuple(RewardComponent(name, load_reward_function(name), w) for name, w in _spec_items(spec))
 
 
 class WeightedReward:

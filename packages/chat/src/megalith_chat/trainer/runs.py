@@ -37,7 +37,7 @@ from megalith_chat.trainer.supervised import (
 
 
 def _lora(args: argparse.Namespace) -> LoraSpec | None:
-    return LoraSpec(r=args.lora_r, alpha=args.lora_alpha) if args.lora_r > 0 else None
+    return LoraSpec.for_rank(args.lora_r, args.lora_alpha)  # alpha: 2 x rank unless given
 
 
 def _model_and_data(
@@ -94,7 +94,7 @@ def run_supervised_command(args: argparse.Namespace) -> list[dict[str, float]]:
     )
     loss_fn = {"sft": sft_loss, "rm": rm_loss}.get(args.command) or dpo_loss_fn(args.beta, args.loss_type)
     config = LoopConfig(
-        steps=args.steps or 50,
+        steps=args.steps,
         grad_accum=args.grad_accum,
         save_every=args.save_every,
         resume=args.resume,

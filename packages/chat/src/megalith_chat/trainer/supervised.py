@@ -23,7 +23,12 @@ from megalith.common.errors import ConfigError
 from megalith.common.utils import require
 from megalith_chat.algorithms import IGNORE_INDEX, bradley_terry_loss, dpo_loss, token_logprobs
 from megalith_chat.data.datasets import load_preference_dataset, load_sft_dataset
-from megalith_chat.data.sft import TokenizedExample, tokenize_conversation, tokenize_preference
+from megalith_chat.data.sft import (
+    TokenizedExample,
+    check_trained_tokens,
+    tokenize_conversation,
+    tokenize_preference,
+)
 
 
 class ListDataset(Dataset):
@@ -59,12 +64,13 @@ def sequence_logps(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Te
 
 # -- SFT ----------------------------------------------------------------------------------------
 def sft_dataset(path: str, tokenizer: Any, max_length: int | None) -> ListDataset:
-    return ListDataset(
-        [
-            tokenize_conversation(tokenizer, e.messages, max_length, where=e.source)
-            for e in load_sft_dataset(path)
-        ]
-    )
+    """Tokenised examples; :class:`DataError` (``file:line``) for one that truncation leaves untrained."""
+    examples = []
+    for e in load_sft_dataset(path):
+        example = tokenize_conversation(tokenizer, e.messages, max_length, where=e.source)
+        check_trained_tokens(example, e.source, max_length)
+        examples.append(example)
+    return ListDataset(examples)
 
 
 def sft_collate(pad_id: int) -> Any:
@@ -91,9 +97,12 @@ class EncodedPair:
 
 
 def preference_dataset(path: str, tokenizer: Any, max_length: int | None) -> list[EncodedPair]:
+    """Tokenised pairs; :class:`DataError` (``file:line``) for one with a side truncation left untrained."""
     pairs = []
     for e in load_preference_dataset(path):
         pair = tokenize_preference(tokenizer, e.prompt, e.chosen, e.rejected, max_length, e.source)
+        check_trained_tokens(pair.chosen, e.source, max_length, "chosen")
+        check_trained_tokens(pair.rejected, e.source, max_length, "rejected")
         pairs.append(EncodedPair(pair.chosen, pair.rejected))
     return pairs
 
