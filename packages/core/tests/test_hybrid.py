@@ -159,6 +159,43 @@ def test_checkpoint_moves_between_tp2_dp2_dp4_and_ddp(tmp_path: Path) -> None:
         _assert_matches(states["dcp"], after3, "tp1×dp4 save_state (DCP) → tp2×dp2")
 
 
+# -- accumulation over several synchronised backwards ------------------------------------------------
+def accum_reference() -> dict[str, torch.Tensor]:
+    """One process: 2 steps, each of 2 micro-batches of loss/2."""
+    model = tiny_llama()
+    opt = _optimizer(model)
+    batches = synthetic_batches(4, GLOBAL_BATCH, SEQ)
+    for step in range(2):
+        for ids in batches[2 * step : 2 * step + 2]:
+            (lm_loss(model, ids) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    return state_of(model)
+
+
+def sync_accum_worker(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
+    """tp=2 split_gather: both micro-batches reduced (no `no_sync`), so the tp sum of the norm
+    weights' sequence-partial gradients runs twice per step."""
+    batches, out = synthetic_batches(4, GLOBAL_BATCH, SEQ), {}
+    for stage in (0, 1, 2):
+        plugin = HybridPlugin(tp_size=2, sp_mode="split_gather", zero_stage=stage)
+        booster, model, opt = _boost(plugin)
+        for step in range(2):
+            for ids in batches[2 * step : 2 * step + 2]:
+                booster.backward(lm_loss(model, ids) / 2, opt)
+            opt.step()
+            opt.zero_grad()
+        out[f"zero{stage}"] = _full(model, plugin)
+    return out
+
+
+def test_split_gather_accumulates_over_synchronised_backwards() -> None:
+    ref = accum_reference()
+    for rank, states in enumerate(run_distributed(sync_accum_worker, 2, timeout_s=240)):
+        for name, state in states.items():
+            _assert_matches(state, ref, f"{name} rank {rank}")
+
+
 # -- configuration -----------------------------------------------------------------------------------
 def test_hybrid_config_rejects_bad_values() -> None:
     with pytest.raises(ConfigError, match="'ring'"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from functools import cache
 
 import pytest
@@ -94,6 +95,61 @@ def test_ddp_matches_single_process() -> None:
     for name in ("plain", "accum4", "clip"):
         for states in results:
             assert_states_close(states[name], reference(name), atol=1e-6)
+
+
+# -- accumulation over several synchronised backwards (no `no_sync`) --------------------------------
+SYNC_PATTERN = (True, False, True, True)  # per micro-batch: reduce after its backward (False: no_sync)
+
+
+def _accumulate(booster, model, opt, ids_of, pattern=SYNC_PATTERN) -> None:
+    """STEPS steps of 4 micro-batches of loss/4, reduced after the backwards marked in `pattern`
+    (the last one always is): 2-3 reductions per step add into the same gradients."""
+    for step in range(STEPS):
+        for micro, sync in enumerate(pattern):
+            ids = ids_of(step * len(pattern) + micro)
+            with nullcontext() if sync else booster.no_sync(model, opt):
+                booster.backward(lm_loss(model, ids) / len(pattern), opt)
+        opt.step()
+        opt.zero_grad()
+
+
+def sync_accum_worker(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
+    batches, per = _batches(4), GLOBAL_BATCH // world
+    out = {}
+    for stage in (1, 2):
+        for overlap in (False, True):
+            plugin = ZeroPlugin(stage=stage, bucket_size_mb=0.01, overlap_communication=overlap)
+            model = WithUnused()
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, eps=EPS)
+            booster = Booster(plugin)
+            model, opt, *_ = booster.boost(model, opt)
+            _accumulate(booster, model, opt, lambda i: batches[i][rank * per : (rank + 1) * per])
+            out[f"stage{stage} overlap={overlap}"] = state_of(booster.unwrap(model))
+    return out
+
+
+def test_zero_accumulates_over_synchronised_backwards() -> None:
+    """Several reductions per step (no `no_sync`) sum like DDP: ZeRO-2 adds later reductions into
+    the gradient shard, ZeRO-1 reduces from a clean buffer; with and without overlap."""
+    results = run_distributed(sync_accum_worker, 2, timeout_s=240)
+    for rank, states in enumerate(results):
+        for name, state in states.items():
+            try:
+                assert_states_close(state, reference("accum4"), atol=1e-5)
+            except AssertionError as exc:
+                raise AssertionError(f"{name} rank {rank}: {exc}") from None
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_optimizer_on_one_rank_accumulates_over_synchronised_backwards(
+    stage: int, overlap: bool
+) -> None:
+    model, opt = _one_rank_zero(stage, overlap)
+    booster = Booster(DDPPlugin())  # only for its no_sync verb on the bare optimizer
+    batches = _batches(4)
+    _accumulate(booster, model, opt, lambda i: batches[i])
+    assert_states_close(state_of(model), reference("accum4"), atol=1e-5)
 
 
 def _one_rank_zero(stage: int, overlap: bool) -> tuple[WithUnused, ZeroOptimizer]:

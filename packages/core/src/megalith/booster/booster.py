@@ -8,6 +8,7 @@ booster.backward(loss, optimizer); optimizer.step(); optimizer.zero_grad()
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +24,7 @@ from megalith.booster.checkpointing import (
     checkpoint_group,
     load_optimizer_dcp,
     model_reader,
+    model_shapes,
     save_model_dcp,
     state_job,
 )
@@ -31,7 +33,9 @@ from megalith.booster.plugins.base import Plugin
 from megalith.booster.plugins.ddp import DDPPlugin
 from megalith.booster.precision import Precision
 from megalith.checkpoint import (
+    DCPModelReader,
     ModelReader,
+    check_shapes,
     commit,
     fresh_staging,
     is_dcp,
@@ -79,7 +83,16 @@ class Booster:
         (`megalith.policies.kernels`), a collection of names (`KERNELS`: "rms_norm", "rope",
         "swiglu", "cross_entropy", "qkv") only those; `compile=True` runs `torch.compile` on the boosted model
         and leaves plain causal masks of HF models to SDPA's `is_causal` (`megalith.policies.sdpa`)."""
+        if plugin is not None and not isinstance(plugin, Plugin):
+            raise ConfigError(
+                f"Booster(plugin=...) needs a Plugin instance (e.g. ZeroPlugin(stage=2)), got {plugin!r}"
+            )
         self.plugin = plugin or DDPPlugin()
+        # boosted model → its optimizer, so `load_model` refreshes the fp32 masters even when the
+        # caller does not pass the optimizer (a later step would copy the old masters back)
+        self._optimizer_of: weakref.WeakKeyDictionary[nn.Module, BoostedOptimizer] = (
+            weakref.WeakKeyDictionary()
+        )
         self.precision = precision if isinstance(precision, Precision) else Precision(precision)
         if self.precision.name == "bf16-true" and not self.plugin.supports_bf16_true:
             raise ConfigError(
@@ -115,6 +128,8 @@ class Booster:
         boosted = self.plugin.configure(model, optimizer, self.precision)
         if self.compile:
             boosted.model.compile()  # in place: parameter names and state_dict keys unchanged
+        if boosted.optimizer is not None:
+            self._optimizer_of[boosted.model] = boosted.optimizer
         return boosted.model, boosted.optimizer, criterion, dataloader, lr_scheduler
 
     def prepare_dataloader(
@@ -210,20 +225,27 @@ class Booster:
         optimizer: BoostedOptimizer | None = None,
         strict: bool = True,
     ) -> None:
-        """Load weights into a boosted model; pass the optimizer so its fp32 masters follow.
+        """Load weights into a boosted model; the fp32 masters of its optimizer follow (the one
+        `boost` returned with it when `optimizer` is not passed).
 
         Reads an HF directory or a sharded model checkpoint (`save_state` of a sharded plugin);
-        sharded plugins read only the ranges this rank holds."""
+        sharded plugins read only the ranges this rank holds. Every saved shape is compared with
+        the model's first: a mismatch is a CheckpointError naming the first such key."""
         root = resolve(path)
+        if optimizer is None:
+            optimizer = self._optimizer_of.get(model)
+        reader: DCPModelReader | ModelReader
         if is_dcp(root):
-            self.plugin.load_model_pieces(model, optimizer, model_reader(self.plugin, model, root))
+            reader = model_reader(self.plugin, model, root)
+        elif self.plugin.sharded_params or is_sharded_model(root):
+            reader = ModelReader(root)
+        else:
+            read_model_into(self.unwrap(model), root, strict=strict)  # checks shapes before copying
+            if optimizer is not None:
+                optimizer.load_masters_from_model()
             return
-        if self.plugin.sharded_params or is_sharded_model(root):
-            self.plugin.load_model_pieces(model, optimizer, ModelReader(root))
-            return
-        read_model_into(self.unwrap(model), root, strict=strict)
-        if optimizer is not None:
-            optimizer.load_masters_from_model()
+        check_shapes(reader.shapes, model_shapes(self.plugin, model), root)  # before anything is read
+        self.plugin.load_model_pieces(model, optimizer, reader)
 
     # -- optimizer checkpoints ------------------------------------------------------------------------------
     def save_optimizer(self, optimizer: BoostedOptimizer, path: str | Path) -> Path:

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalith.booster.optim_state import check_param_numels
 from megalith.booster.plugins.base import Plugin, unique_state
 from megalith.checkpoint.atomic import commit, fresh_staging, staging_path
 from megalith.checkpoint.dcp import (
@@ -59,15 +60,23 @@ def _rank_world() -> tuple[int, int]:
 
 
 # -- model ----------------------------------------------------------------------------------------
+def model_shapes(plugin: Plugin, model: nn.Module) -> dict[str, list[int]]:
+    """The full shape of every model state entry as a checkpoint records it (`meta.json` "shapes")
+    and as a load must find it: replicated plugins' own tensors; the full tensors of tp blocks
+    (`model_shapes` of the plugin); DTensor and ZeRO-3 parameters report their full shapes."""
+    if not plugin.sharded_params:
+        return {n: list(t.shape) for n, t in unique_state(plugin.unwrap(model)).items()}
+    full_shapes = getattr(plugin, "model_shapes", None)
+    if full_shapes is not None:
+        return {n: list(shape) for n, (shape, _) in full_shapes(model).items()}
+    return {n: list(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
+
+
 def model_pieces(plugin: Plugin, model: nn.Module) -> tuple[list[FlatPiece], dict[str, Any]]:
     """This rank's model pieces and the meta.json content (shapes of every entry)."""
     rank, world = _rank_world()
     if plugin.sharded_params:
-        full_shapes = getattr(plugin, "model_shapes", None)  # tp blocks: the shapes of the full tensors
-        if full_shapes is not None:
-            shapes = {n: list(shape) for n, (shape, _) in full_shapes(model).items()}
-        else:  # DTensor and ZeRO-3 parameters report their full shapes
-            shapes = {n: list(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
+        shapes = model_shapes(plugin, model)
         raw = plugin.model_pieces(model)
         pieces = [FlatPiece(n, s, math.prod(shapes[n]), t.reshape(-1)) for n, s, _, t in raw]
     else:  # replicated parameters: every rank writes 1/world of every tensor
@@ -216,6 +225,13 @@ def load_optimizer_dcp(opt: BoostedOptimizer, directory: Path, reader: DCPReader
     missing = sorted({r.name for _, refs in owned for r in refs if MASTER not in saved.get(r.name, ())})
     if missing:
         raise CheckpointError(f"optimizer checkpoint {directory} has no state for parameter {missing[0]!r}")
+    fqns = reader.fqns()
+
+    def saved_numel(name: str) -> int | None:
+        fqn = f"{name}{SEP}{MASTER}"
+        return reader.numel(fqn) if fqn in fqns else None
+
+    check_param_numels(opt.param_numels(), saved_numel, directory)
     reader.expect(_requests(owned, saved))
     for group, saved_group in zip(opt.param_groups, meta["groups"], strict=True):
         group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved_group["hyper"].items()})

@@ -8,13 +8,14 @@ exactly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from megalith.checkpoint import OptimPiece, PieceReader, write_meta, write_pieces
-from megalith.checkpoint.optimizer_io import MASTER
+from megalith.checkpoint.optimizer_io import MASTER, SCALAR
 from megalith.common.errors import CheckpointError
 from megalith.optim import BoostedOptimizer
 
@@ -28,20 +29,32 @@ def save_optimizer_state(opt: BoostedOptimizer, directory: Path, rank: int) -> N
         state = opt.optim.state.get(master, {})
         flat = {k: v.view(-1) for k, v in state.items() if _is_elementwise(v, master)}
         flat[MASTER] = master.view(-1)
+        # per parameter, as "NAME::#KEY" (1 element): parameters of one group may differ (one that
+        # started training later has a smaller Adam step)
+        scalars = {f"{SCALAR}{k}": s for k, v in state.items() if (s := _scalar(v)) is not None}
         for ref in refs:
             n = ref.end - ref.start
-            pieces.append(
-                OptimPiece(
-                    ref.name, ref.start, ref.end, {k: v[ref.offset : ref.offset + n] for k, v in flat.items()}
-                )
-            )
+            tensors = {k: v[ref.offset : ref.offset + n] for k, v in flat.items()}
+            own = {k: v.clone() for k, v in scalars.items()}  # safetensors refuses shared storage
+            pieces.append(OptimPiece(ref.name, ref.start, ref.end, {**tensors, **own}))
     write_pieces(directory, rank, pieces)
     if rank == 0:
         write_meta(directory, _meta(opt))
 
 
 def _is_elementwise(value: Any, master: torch.Tensor) -> bool:
-    return isinstance(value, torch.Tensor) and value.numel() == master.numel() and master.numel() > 1
+    """A state with one value per element (Adam's moments) — also of a 1-element parameter, whose
+    moments are 1-D tensors of one element, unlike the 0-dim `step`."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == master.numel()
+
+
+def _scalar(value: Any) -> torch.Tensor | None:
+    """A 0-dim tensor or Python number state (Adam's step) as a 1-element tensor, else None."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return value.detach().reshape(1)
+    if isinstance(value, bool | int | float):
+        return torch.tensor([value], dtype=torch.float64)
+    return None
 
 
 def _meta(opt: BoostedOptimizer) -> dict[str, Any]:
@@ -55,10 +68,8 @@ def _meta(opt: BoostedOptimizer) -> dict[str, Any]:
             for k, v in opt.optim.state.get(m, {}).items():
                 if _is_elementwise(v, m):
                     keys.add(k)
-                elif isinstance(v, torch.Tensor) and v.numel() == 1:
-                    scalars[k] = float(v.item())
-                elif isinstance(v, int | float):
-                    scalars[k] = float(v)
+                elif (s := _scalar(v)) is not None:
+                    scalars[k] = float(s.item())  # legacy per-group value (the files hold each one's)
         names = [ref.name for m in group["params"] for ref in owned.get(id(m), [])]
         groups.append({"hyper": hyper, "scalars": scalars, "tensor_keys": sorted(keys), "names": names})
     meta: dict[str, Any] = {"optimizer": type(opt.optim).__name__, "groups": groups}
@@ -71,6 +82,19 @@ def _json_scalar(v: Any) -> bool:
     if isinstance(v, tuple | list):
         return all(isinstance(x, int | float | bool) for x in v)
     return v is None or isinstance(v, int | float | bool | str)
+
+
+def check_param_numels(numels: dict[str, int], saved: Callable[[str], int | None], directory: Path) -> None:
+    """CheckpointError naming the first parameter (sorted by name) whose saved numel (`saved(name)`, None when not
+    saved) differs from the model's (`numels`, e.g. `BoostedOptimizer.param_numels()`): a larger
+    saved tensor would otherwise load its prefix. Runs before any state is read."""
+    for name, numel in sorted(numels.items()):
+        got = saved(name)
+        if got is not None and got != numel:
+            raise CheckpointError(
+                f"optimizer checkpoint {directory} does not match the model: parameter {name!r} has "
+                f"{got} elements in the checkpoint, {numel} in the model"
+            )
 
 
 def load_optimizer_state(opt: BoostedOptimizer, directory: Path) -> None:
@@ -89,6 +113,7 @@ def load_optimizer_state(opt: BoostedOptimizer, directory: Path) -> None:
     missing = sorted({ref.name for _, refs in opt.owned() for ref in refs} - reader.names())
     if missing:
         raise CheckpointError(f"optimizer checkpoint {directory} has no state for parameter {missing[0]!r}")
+    check_param_numels(opt.param_numels(), reader.numel, directory)
     owned = {id(m): refs for m, refs in opt.owned()}
     for group, saved in zip(opt.param_groups, meta["groups"], strict=True):
         group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved["hyper"].items()})
@@ -102,15 +127,31 @@ def load_optimizer_state(opt: BoostedOptimizer, directory: Path) -> None:
 def _load_master_state(
     opt: BoostedOptimizer, master: torch.Tensor, refs: list, saved: dict, reader: PieceReader
 ) -> None:
-    if not saved["tensor_keys"]:
+    """State of one master from its parameters' pieces. Scalars ("#step") are per parameter in the
+    files (the first parameter of the master that has one gives it); a tensor state saved for some
+    of its parameters only starts at zero for the others. Checkpoints without per-parameter
+    scalars (written by tensor-parallel plugins) take the group's from meta.json."""
+    keys = set().union(*(reader.keys(ref.name) for ref in refs)) - {MASTER} if refs else set()
+    per_param = any(k.startswith(SCALAR) for k in keys)
+    tensor_keys = {k for k in keys if not k.startswith(SCALAR)}
+    if not per_param:
+        tensor_keys &= set(saved["tensor_keys"]) if saved["tensor_keys"] else set()
+    if not tensor_keys and not per_param:
+        opt.optim.state.pop(master, None)
         return
     state: dict[str, Any] = {}
-    for key in saved["tensor_keys"]:
+    for key in sorted(tensor_keys):
         t = torch.zeros(master.numel(), dtype=master.dtype, device=master.device)
         for ref in refs:
-            n = ref.end - ref.start
-            t[ref.offset : ref.offset + n] = reader.read(ref.name, key, ref.start, ref.end)
+            if key in reader.keys(ref.name):
+                n = ref.end - ref.start
+                t[ref.offset : ref.offset + n] = reader.read(ref.name, key, ref.start, ref.end)
         state[key] = t.view_as(master)
-    for key, value in saved["scalars"].items():
-        state[key] = torch.tensor(value, dtype=torch.float32)
+    if per_param:
+        for key in sorted(k for k in keys if k.startswith(SCALAR)):
+            name = next(r.name for r in refs if key in reader.keys(r.name))
+            state[key[len(SCALAR) :]] = reader.read_scalar(name, key).reshape(())
+    else:
+        for key, value in saved["scalars"].items():
+            state[key] = torch.tensor(value, dtype=torch.float32)
     opt.optim.state[master] = state

@@ -2,6 +2,7 @@
 
 from megalith.checkpoint.atomic import commit, fresh_staging, fsync_dir, fsync_tree, resolve, staging_path
 from megalith.checkpoint.model_io import (
+    check_shapes,
     read_model_into,
     unique_state,
     unique_tensors,
@@ -12,6 +13,7 @@ from megalith.checkpoint.optimizer_io import OptimPiece, PieceReader, write_meta
 from megalith.checkpoint.state_io import read_json, read_rng, restore_rng, write_json, write_rng
 
 __all__ = [
+    "check_shapes",
     "unique_state",
     "unique_tensors",
     "OptimPiece",

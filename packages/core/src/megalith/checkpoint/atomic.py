@@ -1,8 +1,10 @@
 """Atomic checkpoint directories: write to a staging directory, fsync, rename into place.
 
 An interrupted save leaves the previous checkpoint untouched. Replacing an existing directory
-takes two renames (old → `.NAME.old`, staging → NAME); `resolve` finds the old one if a crash
-fell between them.
+takes two renames (NAME → `.NAME.old`, staging → NAME); `resolve` finds the old one if a crash
+fell between them. A directory is only ever deleted while another complete one exists: `.NAME.old`
+goes only once NAME is in place, so every state a crash can leave ({NAME}, {NAME, .old},
+{.old, staging}, {.old}) holds a loadable checkpoint, also after a second crash in the next commit.
 """
 
 from __future__ import annotations
@@ -61,10 +63,13 @@ def commit(path: str | os.PathLike[str]) -> Path:
         raise CheckpointError(f"no staged checkpoint at {tmp}")
     fsync_tree(tmp)
     old = _old_path(final)
-    if old.exists():
-        shutil.rmtree(old)
     if final.exists():
+        if old.exists():  # a leftover of a commit that completed: NAME is the newer, complete one
+            shutil.rmtree(old)
         os.rename(final, old)
+        fsync_dir(final.parent)
+    # else a crash fell between the renames of an earlier commit: `.old` is the only complete
+    # checkpoint, so it stays until the staging directory is in place
     os.rename(tmp, final)
     fsync_dir(final.parent)
     if old.exists():

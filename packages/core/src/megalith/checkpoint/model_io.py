@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,12 +119,31 @@ def read_model_into(model: nn.Module, directory: Path, strict: bool = True) -> l
     by_file: dict[Path, list[str]] = {}
     for name in sorted(expected & found):
         by_file.setdefault(files[name], []).append(name)
+    saved: dict[str, tuple[int, ...]] = {}
+    for path, names in by_file.items():  # headers only: nothing is copied before every shape fits
+        with safe_open(str(path), framework="pt") as f:
+            saved.update({name: tuple(f.get_slice(name).get_shape()) for name in names})
+    check_shapes(saved, {n: tuple(t.shape) for n, t in state.items()}, directory)
     with torch.no_grad():
         for path, names in by_file.items():
             with safe_open(str(path), framework="pt") as f:
                 for name in names:
                     _copy_checked(state[name], f.get_tensor(name), name, path)
     return sorted(expected & found)
+
+
+def check_shapes(
+    saved: Mapping[str, Sequence[int]], expected: Mapping[str, Sequence[int]], where: Any
+) -> None:
+    """CheckpointError naming the first entry (sorted by name) whose saved shape differs from
+    the model's full shape. A larger checkpoint would otherwise load its prefix, and a same-numel
+    reshape ([7, 5] vs [5, 7]) would load scrambled, because reads only need [0, numel) to exist."""
+    for name, shape in sorted(expected.items()):
+        if name in saved and tuple(saved[name]) != tuple(shape):
+            raise CheckpointError(
+                f"checkpoint {where} does not match the model: shape mismatch for {name!r}: "
+                f"model has {tuple(shape)}, checkpoint has {tuple(saved[name])}"
+            )
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str, path: Any) -> None:

@@ -64,17 +64,38 @@ class PieceReader:
             raise CheckpointError(f"optimizer checkpoint {directory} has no meta.json")
         self.meta: dict[str, Any] = json.loads(meta_path.read_text())
         self._index: dict[str, list[tuple[int, int, Path]]] = {}
+        self._keys: dict[str, dict[str, Path]] = {}  # parameter → state key → a file holding it
         files = sorted(directory.glob("rank_*.safetensors"))
         if not files:
             raise CheckpointError(f"optimizer checkpoint {directory} has no rank_*.safetensors shards")
         for path in files:
             with safe_open(str(path), framework="pt") as f:
                 ranges = json.loads((f.metadata() or {}).get("ranges", "{}"))
+                for full_key in f.keys():
+                    name, _, key = full_key.partition(SEP)
+                    self._keys.setdefault(name, {}).setdefault(key, path)
             for name, (start, end) in ranges.items():
                 self._index.setdefault(name, []).append((start, end, path))
 
     def names(self) -> set[str]:
         return set(self._index)
+
+    def keys(self, name: str) -> set[str]:
+        """The state keys saved for parameter `name` ("master", "exp_avg", "#step", ...)."""
+        return set(self._keys.get(name, {}))
+
+    def read_scalar(self, name: str, key: str) -> torch.Tensor:
+        """The 1-element scalar state `key` ("#step") of parameter `name`."""
+        path = self._keys.get(name, {}).get(key)
+        if path is None:
+            raise CheckpointError(f"optimizer checkpoint {self.directory} has no state {key!r} for {name!r}")
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor(f"{name}{SEP}{key}")
+
+    def numel(self, name: str) -> int | None:
+        """numel of flattened parameter `name` as saved (the end of its last piece), None if absent."""
+        ranges = self._index.get(name)
+        return max(hi for _, hi, _ in ranges) if ranges else None
 
     def read(self, name: str, key: str, start: int, end: int) -> torch.Tensor:
         """Elements [start, end) of state `key` of flattened parameter `name`."""

@@ -59,6 +59,11 @@ class BoostedOptimizer:
         return self.optim.defaults
 
     # -- hooks for subclasses ------------------------------------------------------------------
+    def _before_backward(self) -> None:
+        """Called before every backward (inside `no_sync` too): a wrapper whose gradient buffers
+        hold an earlier reduction of this step sets it aside so the next reduction sees only new
+        local gradients (accumulation over several synchronised backwards)."""
+
     def _finish_backward(self) -> None:
         """Called after every backward outside `no_sync` (e.g. flush gradient reductions)."""
 
@@ -79,6 +84,11 @@ class BoostedOptimizer:
     def owned(self) -> list[tuple[torch.Tensor, list[PieceRef]]]:
         """Every master tensor in `param_groups` with the parameter pieces it holds."""
         raise NotImplementedError
+
+    def param_numels(self) -> dict[str, int]:
+        """numel of every full (flattened) parameter this optimizer holds pieces of, by name: what
+        an optimizer checkpoint's tensors must have. Empty where unknown (the check is skipped)."""
+        return {}
 
     def _after_master_load(self) -> None:
         """Called after masters were overwritten (e.g. publish them into the model)."""
@@ -132,6 +142,7 @@ class BoostedOptimizer:
     # -- the verbs ------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         scale = self.scaler.scale if self.scaler is not None else 1.0
+        self._before_backward()
         (loss * scale if scale != 1.0 else loss).backward()
         if self.sync_gradients:
             self._finish_backward()
@@ -242,6 +253,9 @@ class ReplicatedOptimizer(BoostedOptimizer):
         return [
             (m, [PieceRef(name, 0, m.numel(), 0)]) for m, name in zip(self.masters, self.names, strict=True)
         ]
+
+    def param_numels(self) -> dict[str, int]:
+        return {name: p.numel() for p, name in zip(self.model_params, self.names, strict=True)}
 
     def _after_master_load(self) -> None:
         self._publish_params()

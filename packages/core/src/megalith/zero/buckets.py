@@ -79,6 +79,11 @@ class FlatBucket(FlatLayout):
         lo, hi = self.shard_range
         self.shard = self.flat[lo:hi]
         self.ready: set[int] = set()
+        # Gradient accumulation over several synchronised backwards (ZeroOptimizer): whether the
+        # gradient shard already holds a reduction of this step, and (stage 1) the reduced shard
+        # set aside while the flat gradient buffer collects the next backward from zero.
+        self.reduced = False
+        self.carry: torch.Tensor | None = None
 
     def flat_grads(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The bucket's local gradients packed like `flat` (zeros for params that got none and for the

@@ -128,9 +128,16 @@ class ZeroOptimizer(BoostedOptimizer):
         whole bucket and the gradients are packed into it (one copy, nothing to reduce). Stage 1
         reduces into a scratch shard (its own shard aliases the input), except on one rank, where
         the flat gradient buffer already is the shard.
+
+        Accumulation without `no_sync` (a later synchronised backward of the same step): stage 2
+        freed `p.grad` at the first reduction, so the new gradients are clean; they are reduced into
+        a scratch shard and added to the shard (g ← g + Σ_r g'_r / dp). Stage 1 set the reduced
+        shard aside and zeroed the flat buffer before that backward (`_before_backward`).
         """
         self._next_launch += 1
         shard = bucket.grad_shard  # type: ignore[attr-defined]
+        accumulate = bucket.reduced
+        bucket.reduced = True
         self._grads_written = True
         if self.config.stage == 1:
             self._point_grads_at_flat(bucket)
@@ -139,16 +146,36 @@ class ZeroOptimizer(BoostedOptimizer):
             flat = bucket.grad_flat  # type: ignore[attr-defined]
             out = torch.empty_like(shard)
         else:
-            flat = bucket.flat_grads(shard if self.dp_size == 1 else None)
+            if self.dp_size == 1:
+                if accumulate:
+                    shard.add_(bucket.flat_grads())
+                else:
+                    bucket.flat_grads(shard)
+            else:
+                flat = bucket.flat_grads()
             for s in bucket:
                 s.param.grad = None  # stage 2 keeps only the shard
             if self.dp_size == 1:
                 return
-            out = shard
+            out = torch.empty_like(shard) if accumulate else shard
         # On gloo `flat` is scratch afterwards: under stage 1 the p.grad views of other ranks'
         # chunks hold partial sums, which is why the reduced shard is read from `out` only.
         work = reduce_scatter_flat(out, flat, group=self.dp_group, async_op=async_op)
         self._pending.append(_Pending(bucket, out, work))
+
+    def _before_backward(self) -> None:
+        """Stage 1 with dp > 1, a backward after this step's reduction: the flat gradient buffer is
+        reduce-scatter scratch (own chunk = the reduced shard, the rest partial sums), so keep the
+        reduced shard aside (`carry`, added back after the next reduction) and zero the buffer; the
+        next reduction then sums only new local gradients. Nothing happens on the common path of
+        one synchronised backward per step."""
+        if self.config.stage != 1 or self.dp_size == 1:
+            return
+        for bucket in self.buckets:
+            if bucket.reduced:
+                bucket.carry = bucket.grad_shard.clone()  # type: ignore[attr-defined]
+                bucket.grad_flat.zero_()  # type: ignore[attr-defined]
+                bucket.reduced = False
 
     def _finish_backward(self) -> None:
         while self._next_launch < len(self.buckets):
@@ -157,12 +184,23 @@ class ZeroOptimizer(BoostedOptimizer):
             if pending.work is not None:
                 pending.work.wait()
             pending.out.div_(self.dp_size)
-            shard = pending.bucket.grad_shard  # type: ignore[attr-defined]
+            bucket = pending.bucket
+            shard = bucket.grad_shard  # type: ignore[attr-defined]
             if pending.out is not shard:
-                shard.copy_(pending.out)
-            pending.bucket.ready.clear()
+                if self.config.stage == 2:
+                    shard.add_(pending.out)  # a later reduction of this step accumulates
+                else:
+                    shard.copy_(pending.out)
+            self._add_carry(bucket)
+            bucket.ready.clear()
         self._pending.clear()
         self._next_launch = 0
+
+    @staticmethod
+    def _add_carry(bucket: FlatBucket) -> None:
+        if bucket.carry is not None:
+            bucket.grad_shard.add_(bucket.carry)  # type: ignore[attr-defined]
+            bucket.carry = None
 
     # -- step -------------------------------------------------------------------------------------
     def _master_grads(self) -> list[torch.Tensor]:
@@ -170,6 +208,8 @@ class ZeroOptimizer(BoostedOptimizer):
             for bucket in self.buckets:
                 bucket.grad_shard.zero_()  # type: ignore[attr-defined]
             self._grads_written = True
+        for bucket in self.buckets:  # a backward after the reduction but none synchronised since
+            self._add_carry(bucket)
         if not self._prepared:
             for bucket, master in zip(self.buckets, self.masters, strict=True):
                 grad = bucket.grad_shard  # type: ignore[attr-defined]
@@ -204,10 +244,11 @@ class ZeroOptimizer(BoostedOptimizer):
 
     def _zero_grad(self) -> None:
         """Stage 1 zeroes the flat buffers the gradients accumulate in; stage 2's shards are
-        overwritten whole by the next reduction (or zeroed by a step that comes before one)."""
+        overwritten whole by the step's first reduction (or zeroed by a step that comes before one)."""
         self._got_grad.clear()
         self._grads_written = self.config.stage == 1
         for bucket, master in zip(self.buckets, self.masters, strict=True):
+            bucket.reduced, bucket.carry = False, None
             if self.config.stage == 1:
                 bucket.grad_flat.zero_()  # type: ignore[attr-defined]
             master.grad = None
@@ -220,6 +261,9 @@ class ZeroOptimizer(BoostedOptimizer):
 
     def owned(self) -> list[tuple[torch.Tensor, list[PieceRef]]]:
         return [(m, b.pieces()) for b, m in zip(self.buckets, self.masters, strict=True)]
+
+    def param_numels(self) -> dict[str, int]:
+        return {s.name: s.numel for b in self.buckets for s in b}
 
     def _after_master_load(self) -> None:
         self._publish_params()

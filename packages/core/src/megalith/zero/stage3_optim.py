@@ -182,6 +182,9 @@ class Zero3Optimizer(BoostedOptimizer):
     def owned(self) -> list[tuple[torch.Tensor, list[PieceRef]]]:
         return [(m, seg.pieces()) for seg, m in zip(self.segments, self.masters, strict=True)]
 
+    def param_numels(self) -> dict[str, int]:
+        return {s.name: s.numel for seg in self.segments for s in seg.slots}
+
     def _after_master_load(self) -> None:
         self._publish_params()
 

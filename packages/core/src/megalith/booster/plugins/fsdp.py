@@ -90,6 +90,9 @@ class FSDPOptimizer(BoostedOptimizer):
             p.grad = None
             m.grad = None
 
+    def param_numels(self) -> dict[str, int]:
+        return {name: p.numel() for name, p in zip(self.names, self.params, strict=True)}  # DTensor: full
+
     def owned(self) -> list[tuple[torch.Tensor, list[PieceRef]]]:
         out: list[tuple[torch.Tensor, list[PieceRef]]] = []
         for name, p, m in zip(self.names, self.params, self.locals, strict=True):

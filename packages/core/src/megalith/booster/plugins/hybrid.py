@@ -20,6 +20,7 @@ CheckpointError (it would store blocks as if they were ranges of the full parame
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalith.booster.optim_state import _meta
+from megalith.booster.optim_state import _meta, check_param_numels
 from megalith.booster.plugins import hybrid_pp
 from megalith.booster.plugins.base import Boosted, MemoryPlan, Plugin, fp32_snapshot
 from megalith.booster.plugins.hybrid_optim import TPReplicatedOptimizer, TPZeroOptimizer, load_pieces
@@ -67,6 +68,7 @@ from megalith.tensor_parallel import (
     full_state_dict,
     gather_optimizer_pieces,
     load_full_pieces,
+    shard_spec,
     validate_plan,
 )
 from megalith.zero import ZeroConfig, ZeroOptimizer, named_parameter_map
@@ -293,13 +295,21 @@ class HybridPlugin(Plugin):
     def load_optimizer_state(self, optimizer: BoostedOptimizer, directory: Path) -> None:
         """Read an optimizer checkpoint of any layout (any tp × dp, DDP, ZeRO, FSDP2, one process):
         the per-rank piece format or a sharded (DCP) one, full parameters sliced into this rank's blocks."""
+        full = {n: math.prod(full_shape(p)) for n, p in self._params.items()}
         if not is_dcp(directory):
-            load_pieces(optimizer, ShardedPieceReader(directory, self._params))
+            reader = ShardedPieceReader(directory, self._params)
+            check_param_numels(full, reader.numel, directory)
+            load_pieces(optimizer, reader)
             return
         from megalith.booster.checkpointing import load_optimizer_dcp  # (imports the plugins)
 
+        dcp_reader = ShardedDCPReader(directory, self._params)
+        fqns = dcp_reader.fqns()
+        check_param_numels(
+            full, lambda n: dcp_reader.numel(f"{n}::master") if f"{n}::master" in fqns else None, directory
+        )
         with getattr(optimizer, "local_loads", nullcontext)():  # tp optimizers read in block coordinates
-            load_optimizer_dcp(optimizer, directory, ShardedDCPReader(directory, self._params))
+            load_optimizer_dcp(optimizer, directory, dcp_reader)
 
     def save_optimizer(self, optimizer: BoostedOptimizer, path: str | Path) -> Path:
         """Atomic `save_optimizer_state` into `path` (every rank calls it)."""
@@ -316,6 +326,12 @@ class HybridPlugin(Plugin):
 
     def load_optimizer(self, optimizer: BoostedOptimizer, path: str | Path) -> None:
         self.load_optimizer_state(optimizer, resolve(path))
+
+
+def full_shape(p: torch.Tensor) -> list[int]:
+    """The shape of the full tensor a tp block is a block of (its own shape if not a block)."""
+    spec = shard_spec(p)
+    return list(spec.full_shape) if spec is not None else list(p.shape)
 
 
 def _repoint(

@@ -69,6 +69,10 @@ class _LocalPieces:
     info: TensorParallelInfo
     _local_loads = False
 
+    def param_numels(self) -> dict[str, int]:
+        """Pieces are of tp-local blocks: the tensor-parallel loaders check full shapes instead."""
+        return {}
+
     def _check_generic_path(self) -> None:
         if self.info.size > 1 and not self._local_loads:
             raise CheckpointError(
@@ -100,6 +104,14 @@ class TPReplicatedOptimizer(_LocalPieces, ReplicatedOptimizer):
         super().__init__(optim, names, scaler)
         self.info, self.dp_group = info, dp_group
         self._partial = [p for p, n in zip(self.model_params, self.names, strict=True) if n in info.partial]
+        self._reduced = False  # p.grad holds a reduction of this step
+        self._carry: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+
+    def _summed(self) -> list[nn.Parameter]:
+        """Parameters whose gradients are summed over a group other than dp before the dp average
+        (sequence-partial ones over tp): a second sum of an already summed gradient would count it
+        again, so later backwards of the step accumulate beside it (`_carry`)."""
+        return self._partial
 
     @property
     def replicated(self) -> bool:  # type: ignore[override]
@@ -110,10 +122,39 @@ class TPReplicatedOptimizer(_LocalPieces, ReplicatedOptimizer):
         self._check_generic_path()
         super().load_master_values(read)
 
+    def _before_backward(self) -> None:
+        """A backward after this step's reduction: move the summed gradients of `_summed()` aside
+        (no copy) so the next tp sum sees only the new local gradients. The dp average needs no
+        such care: every dp rank holds the same average, and Σ_dp (avg + g') / dp = avg + avg'."""
+        super()._before_backward()
+        if not self._reduced:
+            return
+        for p in self._summed():
+            if p.grad is not None:
+                self._carry[id(p)] = (p, p.grad)
+                p.grad = None
+        self._reduced = False
+
+    def _add_carry(self) -> None:
+        for p, grad in self._carry.values():
+            p.grad = grad if p.grad is None else p.grad.add_(grad)
+        self._carry.clear()
+
     def _finish_backward(self) -> None:
         _sum_over([p.grad for p in self._partial if p.grad is not None], self.info.group)
+        self._add_carry()
         dp = dist.get_world_size(self.dp_group) if dist.is_initialized() else 1
         _sum_over([p.grad for p in self.model_params if p.grad is not None], self.dp_group, 1.0 / dp)
+        self._reduced = True
+
+    def _master_grads(self) -> list[torch.Tensor]:
+        self._add_carry()  # a backward after the reduction, none synchronised since
+        return super()._master_grads()
+
+    def _zero_grad(self) -> None:
+        self._carry.clear()
+        self._reduced = False
+        super()._zero_grad()
 
     def clip_grad_by_norm(self, max_norm: float) -> float:
         grads = self._prepare()
@@ -137,6 +178,8 @@ class TPZeroOptimizer(_LocalPieces, ZeroOptimizer):
     ) -> None:
         self.info = info
         self._partial = [p for g in optim.param_groups for p in g["params"] if names.get(p) in info.partial]
+        self._tp_summed = False
+        self._carry_tp: list[tuple[nn.Parameter, torch.Tensor]] = []
         super().__init__(optim, names, config, dp_group, scaler)
 
     @property
@@ -148,9 +191,35 @@ class TPZeroOptimizer(_LocalPieces, ZeroOptimizer):
         self._check_generic_path()
         super().load_master_values(read)
 
+    def _before_backward(self) -> None:
+        """ZeRO-2 frees p.grad at the reduction and ZeRO-1 at dp > 1 zeroes its buffers before the
+        next backward (`ZeroOptimizer._before_backward`), so the tp sum sees new gradients only. At
+        dp = 1 ZeRO-1 accumulates in place: set the tp-summed partial gradients aside and zero them."""
+        super()._before_backward()
+        if self._tp_summed and self.config.stage == 1 and self.dp_size == 1:
+            for p in self._summed():
+                if p.grad is not None:
+                    self._carry_tp.append((p, p.grad.clone()))
+                    p.grad.zero_()
+        self._tp_summed = False
+
     def _finish_backward(self) -> None:
         _sum_over([p.grad for p in self._partial if p.grad is not None], self.info.group)
+        for p, grad in self._carry_tp:
+            p.grad.add_(grad)  # type: ignore[union-attr]  # views of the flat buffer: never None
+        self._carry_tp.clear()
+        self._tp_summed = True
         super()._finish_backward()
+
+    def _zero_grad(self) -> None:
+        self._carry_tp.clear()
+        self._tp_summed = False
+        super()._zero_grad()
+
+    def _summed(self) -> list[nn.Parameter]:
+        """Parameters summed over a group other than dp before the dp reduction (as
+        `TPReplicatedOptimizer._summed`)."""
+        return self._partial
 
     def clip_grad_by_norm(self, max_norm: float) -> float:
         grads = self._prepare()

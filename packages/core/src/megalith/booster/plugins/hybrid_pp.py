@@ -188,6 +188,7 @@ class _PipelineGrads:
     info: TensorParallelInfo
     dp_group: Group
     _tied: list[nn.Parameter]
+    _partial: list[nn.Parameter]
     _tied_group: Group
     _skip: frozenset[str]
 
@@ -195,6 +196,10 @@ class _PipelineGrads:
         self._tied = [p for p in params if names[p] in state.tied]
         self._tied_group = state.tied_group
         self._skip = frozenset(n for n in state.tied if state.owners[n] != state.pp_rank)
+
+    def _summed(self) -> list[nn.Parameter]:
+        """Sequence-partial parameters (summed over tp) and tied copies (summed over their stages)."""
+        return self._partial + [p for p in self._tied if all(p is not q for q in self._partial)]
 
     def _sum_tied(self) -> None:
         if self._tied_group is not None:
@@ -291,6 +296,8 @@ def execute_pipeline(
         loss = state.engine.forward_only(next(data_iter), criterion or default_criterion(model))
         return {"loss": loss if return_loss else None, "outputs": None}
     scale = optimizer.scaler.scale if optimizer is not None and optimizer.scaler is not None else 1.0
+    if optimizer is not None:
+        optimizer._before_backward()
     loss = state.engine.step(next(data_iter), criterion or default_criterion(model), scale)
     if optimizer is not None and optimizer.sync_gradients:
         optimizer._finish_backward()
