@@ -32,17 +32,18 @@ from megalith.booster.optim_state import load_optimizer_state, save_optimizer_st
 from megalith.booster.plugins.base import Plugin
 from megalith.booster.plugins.ddp import DDPPlugin
 from megalith.booster.precision import Precision
+from megalith.booster.state_files import StateFiles, agreed, check_optimizer, read_state_files
 from megalith.checkpoint import (
     DCPModelReader,
+    DCPReader,
     ModelReader,
+    PieceReader,
     check_shapes,
     commit,
     fresh_staging,
     is_dcp,
     is_sharded_model,
-    read_json,
     read_model_into,
-    read_rng,
     resolve,
     restore_rng,
     staging_path,
@@ -51,7 +52,7 @@ from megalith.checkpoint import (
     write_model,
     write_rng,
 )
-from megalith.common.errors import CheckpointError, ConfigError
+from megalith.common.errors import ConfigError
 from megalith.distributed import StatefulDataLoader, StatefulDistributedSampler, barrier
 from megalith.optim import BoostedOptimizer
 
@@ -270,14 +271,17 @@ class Booster:
         else:  # the per-rank piece format, which every plugin reads (save_state writes DCP)
             save_optimizer_state(optimizer, directory, _rank())
 
-    def _load_optim(self, optimizer: BoostedOptimizer, directory: Path) -> None:
+    def _load_optim(
+        self, optimizer: BoostedOptimizer, directory: Path, reader: DCPReader | PieceReader | None = None
+    ) -> None:
+        """`reader`: one already opened on `directory` (load_state checks it before the model)."""
         custom = getattr(self.plugin, "load_optimizer_state", None)
         if custom is not None:
             custom(optimizer, directory)
-        elif is_dcp(directory):
-            load_optimizer_dcp(optimizer, directory)
+        elif isinstance(reader, DCPReader) or (reader is None and is_dcp(directory)):
+            load_optimizer_dcp(optimizer, directory, reader)
         else:  # a checkpoint of the earlier per-rank piece format
-            load_optimizer_state(optimizer, directory)
+            load_optimizer_state(optimizer, directory, reader)
 
     def load_optimizer(self, optimizer: BoostedOptimizer, path: str | Path) -> None:
         self._load_optim(optimizer, resolve(path))
@@ -347,15 +351,17 @@ class Booster:
         lr_scheduler: Any = None,
         dataloader: Any = None,
     ) -> dict[str, Any]:
-        """Restore what `save_state` wrote; returns state.json (with "step" and "extra")."""
+        """Restore what `save_state` wrote; returns state.json (with "step" and "extra").
+
+        Every file is checked first (present, parseable; the optimizer's metadata against the
+        optimizer): a damaged or mismatched directory is a CheckpointError naming the file, raised
+        on every rank before the model or optimizer change (`megalith.booster.state_files`)."""
         self.wait_for_checkpoint()
         root = resolve(path)
-        meta = read_json(root / "state.json")
-        if meta.get("format") != STATE_FORMAT:
-            raise CheckpointError(f"{root} has state format {meta.get('format')}, expected {STATE_FORMAT}")
-        self.load_model(model, root / SHARDED_MODEL if (root / SHARDED_MODEL).exists() else root / "model")
-        self._load_optim(optimizer, root / "optimizer")
-        trainer = torch.load(root / "trainer.pt", weights_only=False)
+        files = agreed(lambda: self._checked_state_files(root, optimizer))
+        meta, trainer = files.meta, files.trainer
+        self.load_model(model, files.model_dir)
+        self._load_optim(optimizer, files.optim_dir, files.optim_reader)
         if lr_scheduler is not None and trainer["lr_scheduler"] is not None:
             lr_scheduler.load_state_dict(trainer["lr_scheduler"])
         if (
@@ -364,17 +370,20 @@ class Booster:
             and hasattr(dataloader, "load_state_dict")
         ):
             dataloader.load_state_dict(trainer["dataloader"])
-        saved_world = int(meta["world_size"])
-        if saved_world == _world():
-            restore_rng(read_rng(root / "rng", _rank()))
-        else:
+        if meta["world_size"] != _world():
             logger.warning(
                 "checkpoint written at world size %d, now %d: RNG streams restart from rank 0's",
-                saved_world,
+                meta["world_size"],
                 _world(),
             )
-            restore_rng(read_rng(root / "rng", 0))
+        restore_rng(files.rng)  # this rank's, or rank 0's at another world size (read_state_files)
         return meta
+
+    def _checked_state_files(self, root: Path, optimizer: BoostedOptimizer) -> StateFiles:
+        files = read_state_files(root, _rank(), _world(), STATE_FORMAT)
+        if getattr(self.plugin, "load_optimizer_state", None) is None:  # plugins' own loaders check later
+            check_optimizer(optimizer, files)
+        return files
 
     _pending: AsyncCheckpoint | None = None  # the last async save_state, until waited for
 

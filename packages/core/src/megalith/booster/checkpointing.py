@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalith.booster.optim_state import check_param_numels
+from megalith.booster.optim_state import check_optimizer_meta, check_param_numels
 from megalith.booster.plugins.base import Plugin, unique_state
 from megalith.checkpoint.atomic import commit, fresh_staging, staging_path
 from megalith.checkpoint.dcp import (
@@ -179,10 +179,11 @@ def optimizer_pieces(opt: BoostedOptimizer, group: Any = None) -> tuple[list[Fla
         scalars = [p for p in pieces if _is_scalar(p.fqn)]
         pieces = scalars + split_for_rank([p for p in pieces if not _is_scalar(p.fqn)], rank, world)
     hyper = [{k: v for k, v in g.items() if k != "params" and _json_scalar(v)} for g in opt.param_groups]
+    names = opt.group_param_names()  # each group's parameters: a load refuses groups holding others
     meta: dict[str, Any] = {
         "kind": "optimizer",
         "optimizer": type(opt.optim).__name__,
-        "groups": [{"hyper": h} for h in hyper],
+        "groups": [{"hyper": h, "names": n} for h, n in zip(hyper, names, strict=True)],
     }
     if opt.scaler is not None:
         meta["scaler"] = opt.scaler.state_dict()
@@ -209,17 +210,26 @@ def load_optimizer_dcp(opt: BoostedOptimizer, directory: Path, reader: DCPReader
     `reader`: one that maps the optimizer's piece coordinates onto the saved tensors (tensor
     parallelism: `ShardedDCPReader`); a plain `DCPReader` of `directory` by default."""
     reader = reader or DCPReader(directory)
+    check_optimizer_dcp(opt, reader, directory)
     meta = reader.meta
-    if meta.get("optimizer") != type(opt.optim).__name__:
-        raise CheckpointError(
-            f"optimizer checkpoint {directory} was written by {meta.get('optimizer')}, "
-            f"not {type(opt.optim).__name__}"
-        )
-    if len(meta.get("groups", [])) != len(opt.param_groups):
-        raise CheckpointError(
-            f"optimizer checkpoint {directory} has {len(meta.get('groups', []))} param groups, "
-            f"the optimizer has {len(opt.param_groups)}"
-        )
+    saved = _saved_keys(reader)
+    owned = opt.owned()
+    reader.expect(_requests(owned, saved))
+    for group, saved_group in zip(opt.param_groups, meta["groups"], strict=True):
+        group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved_group["hyper"].items()})
+    for master, refs in owned:
+        _load_master_state(opt, master, refs, saved, reader)
+    opt.load_master_values(lambda name, s, e: reader.read(f"{name}{SEP}{MASTER}", s, e))
+    if opt.scaler is not None and "scaler" in meta:
+        opt.scaler.load_state_dict(meta["scaler"])
+
+
+def check_optimizer_dcp(opt: BoostedOptimizer, reader: DCPReader, directory: Path) -> None:
+    """Everything `load_optimizer_dcp` checks before it changes anything: meta.json (optimizer
+    class, param groups and the parameters each holds), every owned parameter saved, its size."""
+    if not reader.meta:
+        raise CheckpointError(f"{directory / 'meta.json'}: missing (optimizer checkpoint {directory})")
+    check_optimizer_meta(opt, reader.meta, directory)
     saved = _saved_keys(reader)
     owned = opt.owned()
     missing = sorted({r.name for _, refs in owned for r in refs if MASTER not in saved.get(r.name, ())})
@@ -232,14 +242,6 @@ def load_optimizer_dcp(opt: BoostedOptimizer, directory: Path, reader: DCPReader
         return reader.numel(fqn) if fqn in fqns else None
 
     check_param_numels(opt.param_numels(), saved_numel, directory)
-    reader.expect(_requests(owned, saved))
-    for group, saved_group in zip(opt.param_groups, meta["groups"], strict=True):
-        group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved_group["hyper"].items()})
-    for master, refs in owned:
-        _load_master_state(opt, master, refs, saved, reader)
-    opt.load_master_values(lambda name, s, e: reader.read(f"{name}{SEP}{MASTER}", s, e))
-    if opt.scaler is not None and "scaler" in meta:
-        opt.scaler.load_state_dict(meta["scaler"])
 
 
 def _requests(owned: list[tuple[torch.Tensor, list[PieceRef]]], saved: dict[str, set[str]]) -> list[Request]:

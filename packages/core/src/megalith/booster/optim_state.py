@@ -59,8 +59,7 @@ def _scalar(value: Any) -> torch.Tensor | None:
 
 def _meta(opt: BoostedOptimizer) -> dict[str, Any]:
     groups = []
-    owned = {id(m): refs for m, refs in opt.owned()}
-    for group in opt.param_groups:
+    for group, names in zip(opt.param_groups, opt.group_param_names(), strict=True):
         hyper = {k: v for k, v in group.items() if k != "params" and _json_scalar(v)}
         scalars: dict[str, float] = {}
         keys: set[str] = set()
@@ -70,7 +69,6 @@ def _meta(opt: BoostedOptimizer) -> dict[str, Any]:
                     keys.add(k)
                 elif (s := _scalar(v)) is not None:
                     scalars[k] = float(s.item())  # legacy per-group value (the files hold each one's)
-        names = [ref.name for m in group["params"] for ref in owned.get(id(m), [])]
         groups.append({"hyper": hyper, "scalars": scalars, "tensor_keys": sorted(keys), "names": names})
     meta: dict[str, Any] = {"optimizer": type(opt.optim).__name__, "groups": groups}
     if opt.scaler is not None:
@@ -97,23 +95,60 @@ def check_param_numels(numels: dict[str, int], saved: Callable[[str], int | None
             )
 
 
-def load_optimizer_state(opt: BoostedOptimizer, directory: Path) -> None:
-    """Every rank calls this (it publishes the loaded masters into the model, a collective for ZeRO)."""
-    reader = PieceReader(directory)
-    meta = reader.meta
+def check_optimizer_meta(opt: BoostedOptimizer, meta: dict[str, Any], directory: Path) -> None:
+    """The optimizer checkpoint's meta.json fits `opt`: same torch optimizer class, one entry with
+    "hyper" per param group, and no parameter in another group than it was saved in (groups are
+    matched by position; checkpoints without the "names" of each group skip that check)."""
     if meta.get("optimizer") != type(opt.optim).__name__:
         raise CheckpointError(
             f"optimizer checkpoint {directory} was written by {meta.get('optimizer')}, "
             f"not {type(opt.optim).__name__}"
         )
-    if len(meta["groups"]) != len(opt.param_groups):
+    groups = meta.get("groups")
+    if not isinstance(groups, list) or not all(
+        isinstance(g, dict) and isinstance(g.get("hyper"), dict) for g in groups
+    ):
+        raise CheckpointError(f"{directory / 'meta.json'}: 'groups' must be a list of objects with 'hyper'")
+    if len(groups) != len(opt.param_groups):
         raise CheckpointError(
-            f"optimizer checkpoint has {len(meta['groups'])} param groups, the optimizer has {len(opt.param_groups)}"
+            f"optimizer checkpoint {directory} has {len(groups)} param groups, the optimizer has {len(opt.param_groups)}"
         )
+    check_group_names(opt.group_param_names(), [g.get("names") for g in groups], directory)
+
+
+def check_group_names(current: list[list[str]], saved: list[list[str] | None], directory: Path) -> None:
+    """CheckpointError naming the first param group (by index) that holds a parameter the checkpoint
+    saved in another group: the groups' hyper-parameters and states would go to the wrong ones."""
+    saved_group: dict[str, int] = {}
+    for j, names in enumerate(saved):
+        for name in names or []:
+            saved_group.setdefault(name, j)
+    for i, names in enumerate(current):
+        for name in names:
+            j = saved_group.get(name, i)
+            if j != i:
+                raise CheckpointError(
+                    f"optimizer checkpoint {directory}: param group {i} holds different parameters than "
+                    f"when saved: {name!r} is in group {i} of the optimizer, group {j} of the checkpoint "
+                    "(groups are matched by position; build them in the same order)"
+                )
+
+
+def check_optimizer_pieces(opt: BoostedOptimizer, reader: PieceReader, directory: Path) -> None:
+    """Everything `load_optimizer_state` checks before it changes anything (metadata, parameters
+    present, their sizes)."""
+    check_optimizer_meta(opt, reader.meta, directory)
     missing = sorted({ref.name for _, refs in opt.owned() for ref in refs} - reader.names())
     if missing:
         raise CheckpointError(f"optimizer checkpoint {directory} has no state for parameter {missing[0]!r}")
     check_param_numels(opt.param_numels(), reader.numel, directory)
+
+
+def load_optimizer_state(opt: BoostedOptimizer, directory: Path, reader: PieceReader | None = None) -> None:
+    """Every rank calls this (it publishes the loaded masters into the model, a collective for ZeRO)."""
+    reader = reader or PieceReader(directory)
+    check_optimizer_pieces(opt, reader, directory)
+    meta = reader.meta
     owned = {id(m): refs for m, refs in opt.owned()}
     for group, saved in zip(opt.param_groups, meta["groups"], strict=True):
         group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved["hyper"].items()})
@@ -135,7 +170,7 @@ def _load_master_state(
     per_param = any(k.startswith(SCALAR) for k in keys)
     tensor_keys = {k for k in keys if not k.startswith(SCALAR)}
     if not per_param:
-        tensor_keys &= set(saved["tensor_keys"]) if saved["tensor_keys"] else set()
+        tensor_keys &= set(saved.get("tensor_keys") or ())
     if not tensor_keys and not per_param:
         opt.optim.state.pop(master, None)
         return
@@ -152,6 +187,6 @@ def _load_master_state(
             name = next(r.name for r in refs if key in reader.keys(r.name))
             state[key[len(SCALAR) :]] = reader.read_scalar(name, key).reshape(())
     else:
-        for key, value in saved["scalars"].items():
+        for key, value in (saved.get("scalars") or {}).items():
             state[key] = torch.tensor(value, dtype=torch.float32)
     opt.optim.state[master] = state

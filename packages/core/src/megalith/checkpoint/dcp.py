@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megalith.checkpoint.state_io import UNREADABLE, read_json
 from megalith.common.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -171,6 +172,34 @@ class _CachedFileSystemReader(dcp.FileSystemReader):
         return self._metadata
 
 
+def read_dcp_metadata(directory: Path, storage: dcp.FileSystemReader | None = None) -> Metadata:
+    """The `.metadata` of a DCP directory, checked before any tensor is read: present and
+    unpicklable, and every shard file it names present and long enough for the byte ranges it
+    records (a truncated shard). Else a CheckpointError naming the file."""
+    path = directory / DCP_METADATA
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing ({directory} is not a sharded (DCP) checkpoint)")
+    try:
+        metadata = (storage or dcp.FileSystemReader(str(directory))).read_metadata()
+    except UNREADABLE as exc:
+        raise CheckpointError(f"{path}: cannot be read ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path}: not DCP metadata (a {type(metadata).__name__})")
+    needed: dict[str, int] = {}  # shard file -> bytes the metadata says it holds
+    for info in (metadata.storage_data or {}).values():
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for fname, end in sorted(needed.items()):
+        shard = directory / fname
+        if not shard.is_file():
+            raise CheckpointError(f"{shard}: missing shard file {fname} of sharded checkpoint {directory}")
+        if shard.stat().st_size < end:
+            raise CheckpointError(
+                f"{shard}: truncated ({shard.stat().st_size} bytes, the metadata records {end})"
+            )
+    return metadata
+
+
 class _RangeLoadPlanner(DefaultLoadPlanner):
     """Reads requested [start, end) ranges of flattened tensors into the given 1-D buffers."""
 
@@ -199,16 +228,10 @@ class DCPReader:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        if not is_dcp(directory):
-            raise CheckpointError(f"{directory} is not a sharded (DCP) checkpoint: no {DCP_METADATA} file")
         self._storage = _CachedFileSystemReader(directory)
-        self.metadata = self._storage.read_metadata()
-        files = sorted({info.relative_path for info in (self.metadata.storage_data or {}).values()})
-        for fname in files:
-            if not (directory / fname).is_file():
-                raise CheckpointError(f"sharded checkpoint {directory} is missing shard file {fname}")
+        self.metadata = read_dcp_metadata(directory, self._storage)
         meta_path = directory / META
-        self.meta: dict[str, Any] = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        self.meta: dict[str, Any] = read_json(meta_path) if meta_path.exists() else {}
         self._tensors = {
             k: v for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)
         }

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from megalith.checkpoint.state_io import read_json
 from megalith.common.errors import CheckpointError
 
 
@@ -90,7 +91,9 @@ def weight_files(directory: Path) -> dict[str, Path]:
     """Tensor name → file holding it."""
     index = directory / INDEX_NAME
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no 'weight_map' object")
         return {k: directory / v for k, v in weight_map.items()}
     single = directory / WEIGHTS_NAME
     if not single.exists():

@@ -16,14 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from megalith.checkpoint.state_io import UNREADABLE, read_json
 from megalith.common.errors import CheckpointError
 
 SEP = "::"
 MASTER = "master"  # the state key of a parameter's (fp32) master copy
 SCALAR = "#"  # prefix of scalar state keys in a sharded (DCP) optimizer checkpoint ("#step")
+_UNREADABLE: tuple[type[BaseException], ...] = (SafetensorError, *UNREADABLE)  # a damaged shard file
 
 
 @dataclass(frozen=True)
@@ -61,21 +63,28 @@ class PieceReader:
         self.directory = directory
         meta_path = directory / "meta.json"
         if not meta_path.exists():
-            raise CheckpointError(f"optimizer checkpoint {directory} has no meta.json")
-        self.meta: dict[str, Any] = json.loads(meta_path.read_text())
+            raise CheckpointError(f"{meta_path}: missing (optimizer checkpoint {directory} has no meta.json)")
+        self.meta: dict[str, Any] = read_json(meta_path)
         self._index: dict[str, list[tuple[int, int, Path]]] = {}
         self._keys: dict[str, dict[str, Path]] = {}  # parameter → state key → a file holding it
         files = sorted(directory.glob("rank_*.safetensors"))
         if not files:
             raise CheckpointError(f"optimizer checkpoint {directory} has no rank_*.safetensors shards")
         for path in files:
+            self._add_file(path)
+
+    def _add_file(self, path: Path) -> None:
+        try:
             with safe_open(str(path), framework="pt") as f:
                 ranges = json.loads((f.metadata() or {}).get("ranges", "{}"))
                 for full_key in f.keys():
                     name, _, key = full_key.partition(SEP)
                     self._keys.setdefault(name, {}).setdefault(key, path)
-            for name, (start, end) in ranges.items():
-                self._index.setdefault(name, []).append((start, end, path))
+            pairs = [(name, int(start), int(end)) for name, (start, end) in ranges.items()]
+        except _UNREADABLE as exc:
+            raise CheckpointError(f"{path}: cannot be read ({type(exc).__name__}: {exc})") from exc
+        for name, start, end in pairs:
+            self._index.setdefault(name, []).append((start, end, path))
 
     def names(self) -> set[str]:
         return set(self._index)

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from megalith.checkpoint.dcp import is_dcp, iter_full_tensors
 from megalith.checkpoint.model_io import INDEX_NAME, WEIGHTS_NAME, weight_files
 from megalith.checkpoint.optimizer_io import OptimPiece, PieceReader, write_meta, write_pieces
+from megalith.checkpoint.state_io import read_json
 from megalith.common.errors import CheckpointError
 
 FORMAT = "megalith-model-pieces"
@@ -49,7 +50,7 @@ def write_model_pieces(
 
 def is_sharded_model(directory: Path) -> bool:
     meta = directory / "meta.json"
-    return meta.exists() and json.loads(meta.read_text()).get("format") == FORMAT
+    return meta.exists() and read_json(meta).get("format") == FORMAT
 
 
 class ModelReader:
@@ -61,7 +62,11 @@ class ModelReader:
         self.sharded = is_sharded_model(directory)
         self._cached: tuple[str, torch.Tensor] | None = None
         if self.sharded:
-            meta = json.loads((directory / "meta.json").read_text())
+            meta = read_json(directory / "meta.json")
+            if not isinstance(meta.get("files"), list) or not isinstance(meta.get("shapes"), dict):
+                raise CheckpointError(
+                    f"{directory / 'meta.json'}: needs 'files' (a list) and 'shapes' (a dict)"
+                )
             for fname in meta["files"]:
                 if not (directory / fname).exists():
                     raise CheckpointError(f"sharded checkpoint {directory} is missing shard file {fname}")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from megalith.common.errors import ConfigError
+from megalith.common.validate import check_int
 
 AXES = ("pp", "dp", "sp", "tp")
 
@@ -13,7 +15,8 @@ AXES = ("pp", "dp", "sp", "tp")
 class ParallelDims:
     """Degrees of data (dp), pipeline (pp), sequence (sp) and tensor (tp) parallelism.
 
-    `dp * pp * sp * tp` must equal `world_size`. `dp=-1` means "whatever is left".
+    `dp * pp * sp * tp` must equal `world_size`. `dp=-1` means "whatever is left". Every size is
+    a positive int (a float such as 2.0 or a bool is a ConfigError naming it).
     Validation happens in `__post_init__` from the given world size, so a wrong configuration
     fails before any process group exists.
     """
@@ -25,12 +28,15 @@ class ParallelDims:
     sp: int = 1
 
     def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ConfigError(f"world_size must be >= 1, got {self.world_size}")
+        check_int("world_size", self.world_size)
         for axis in ("tp", "pp", "sp"):
-            value = getattr(self, axis)
-            if value < 1:
-                raise ConfigError(f"{axis} must be >= 1, got {value}")
+            check_int(axis, getattr(self, axis))
+        if (
+            isinstance(self.dp, bool)
+            or not isinstance(self.dp, numbers.Integral)
+            or not (self.dp >= 1 or self.dp == -1)
+        ):
+            raise ConfigError(f"dp must be an integer >= 1 or -1 (infer), got {self.dp!r}")
         others = self.tp * self.pp * self.sp
         if self.dp == -1:
             if self.world_size % others:
@@ -39,8 +45,6 @@ class ParallelDims:
                     f"={others}"
                 )
             object.__setattr__(self, "dp", self.world_size // others)
-        elif self.dp < 1:
-            raise ConfigError(f"dp must be >= 1 or -1 (infer), got {self.dp}")
         product = self.dp * others
         if product != self.world_size:
             raise ConfigError(

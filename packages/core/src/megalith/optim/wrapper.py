@@ -90,6 +90,17 @@ class BoostedOptimizer:
         an optimizer checkpoint's tensors must have. Empty where unknown (the check is skipped)."""
         return {}
 
+    def master_names(self) -> dict[int, list[str]]:
+        """id(master) → the names of the parameters that master tensor stands for (each whole,
+        whichever pieces this rank owns). Default: the names of its `owned()` pieces."""
+        return {id(m): [ref.name for ref in refs] for m, refs in self.owned()}
+
+    def group_param_names(self) -> list[list[str]]:
+        """The sorted parameter names of each param group (checkpoints record them, so a load into
+        groups that hold other parameters — matched by position — is refused)."""
+        names = self.master_names()
+        return [sorted({n for m in g["params"] for n in names.get(id(m), [])}) for g in self.param_groups]
+
     def _after_master_load(self) -> None:
         """Called after masters were overwritten (e.g. publish them into the model)."""
 
@@ -256,6 +267,9 @@ class ReplicatedOptimizer(BoostedOptimizer):
 
     def param_numels(self) -> dict[str, int]:
         return {name: p.numel() for p, name in zip(self.model_params, self.names, strict=True)}
+
+    def master_names(self) -> dict[int, list[str]]:
+        return {id(m): [name] for m, name in zip(self.masters, self.names, strict=True)}
 
     def _after_master_load(self) -> None:
         self._publish_params()

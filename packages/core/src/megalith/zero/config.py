@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megalith.common.errors import ConfigError
+from megalith.common.validate import check_bool, check_fraction, check_int, check_positive
 
 SUPPORTED_STAGES = (1, 2, 3)
 
@@ -43,14 +44,17 @@ class ZeroConfig:
     init_seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.stage not in SUPPORTED_STAGES:
-            raise ConfigError(f"ZeRO stage must be one of {SUPPORTED_STAGES}, got {self.stage!r}")
-        if not self.bucket_size_mb > 0:
-            raise ConfigError(f"bucket_size_mb must be > 0, got {self.bucket_size_mb}")
+        stage = self.stage
+        if isinstance(stage, bool) or not isinstance(stage, int) or stage not in SUPPORTED_STAGES:  # 2.0 == 2
+            raise ConfigError(f"ZeRO stage must be one of {SUPPORTED_STAGES}, got {stage!r}")
+        check_positive("bucket_size_mb", self.bucket_size_mb)
+        check_bool("overlap_communication", self.overlap_communication, optional=True)
+        check_bool("prefetch", self.prefetch, optional=True)
+        check_bool("cpu_offload", self.cpu_offload)
+        check_int("init_seed", self.init_seed, minimum=0)
         for name in ("offload_optim_frac", "offload_param_frac"):
             value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ConfigError(f"{name} must be in [0, 1], got {value!r}")
+            check_fraction(name, value)
             if value and self.stage != 3:
                 raise ConfigError(f"{name}={value} needs stage=3 (stages 1-2 use cpu_offload=True)")
 

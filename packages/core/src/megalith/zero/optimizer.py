@@ -265,6 +265,9 @@ class ZeroOptimizer(BoostedOptimizer):
     def param_numels(self) -> dict[str, int]:
         return {s.name: s.numel for b in self.buckets for s in b}
 
+    def master_names(self) -> dict[int, list[str]]:
+        return {id(m): [s.name for s in b] for b, m in zip(self.buckets, self.masters, strict=True)}
+
     def _after_master_load(self) -> None:
         self._publish_params()
 

@@ -185,6 +185,11 @@ class Zero3Optimizer(BoostedOptimizer):
     def param_numels(self) -> dict[str, int]:
         return {s.name: s.numel for seg in self.segments for s in seg.slots}
 
+    def master_names(self) -> dict[int, list[str]]:
+        return {
+            id(m): [s.name for s in seg.slots] for seg, m in zip(self.segments, self.masters, strict=True)
+        }
+
     def _after_master_load(self) -> None:
         self._publish_params()
 

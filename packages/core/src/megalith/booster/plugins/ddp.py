@@ -13,14 +13,24 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from megalith.booster.plugins.base import Boosted, MemoryPlan, Plugin, replicated
 from megalith.booster.precision import Precision
+from megalith.common.errors import ConfigError
+from megalith.common.validate import check_bool, check_positive
 from megalith.optim import BoostedOptimizer
 
 
 @dataclass(frozen=True)
 class DDPConfig:
+    """bucket_cap_mb: size bound of one gradient bucket DDP all-reduces (a number > 0).
+    find_unused_parameters / broadcast_buffers: torch DDP's flags of the same names (bools)."""
+
     bucket_cap_mb: float = 25.0
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
+
+    def __post_init__(self) -> None:
+        check_positive("bucket_cap_mb", self.bucket_cap_mb)
+        check_bool("find_unused_parameters", self.find_unused_parameters)
+        check_bool("broadcast_buffers", self.broadcast_buffers)
 
 
 class DDPPlugin(Plugin):
@@ -33,6 +43,10 @@ class DDPPlugin(Plugin):
     supports_bf16_true = True
 
     def __init__(self, config: DDPConfig | None = None, **kwargs: object) -> None:
+        if config is not None and not isinstance(config, DDPConfig):
+            raise ConfigError(f"DDPPlugin(config=...) needs a DDPConfig, got {config!r}")
+        if config is not None and kwargs:
+            raise ConfigError(f"DDPPlugin takes a config or keyword options, not both: got {sorted(kwargs)}")
         self.config = config or DDPConfig(**kwargs)  # type: ignore[arg-type]
 
     def configure(

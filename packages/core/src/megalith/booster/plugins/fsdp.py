@@ -27,6 +27,7 @@ from torch import nn
 from megalith.booster.plugins.base import Boosted, MemoryPlan, Plugin, unique_state
 from megalith.booster.precision import Precision
 from megalith.common.errors import CheckpointError, ConfigError
+from megalith.common.validate import check_bool, check_positive
 from megalith.optim import BoostedOptimizer, DynamicLossScaler, PieceRef
 from megalith.zero import named_parameter_map
 from megalith.zero.stage3_layout import group_parameters
@@ -43,8 +44,9 @@ class FSDPConfig:
     cpu_offload: bool = False
 
     def __post_init__(self) -> None:
-        if not self.group_size_mb > 0:
-            raise ConfigError(f"group_size_mb must be > 0, got {self.group_size_mb}")
+        check_positive("group_size_mb", self.group_size_mb)
+        check_bool("reshard_after_forward", self.reshard_after_forward)
+        check_bool("cpu_offload", self.cpu_offload)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -92,6 +94,9 @@ class FSDPOptimizer(BoostedOptimizer):
 
     def param_numels(self) -> dict[str, int]:
         return {name: p.numel() for name, p in zip(self.names, self.params, strict=True)}  # DTensor: full
+
+    def master_names(self) -> dict[int, list[str]]:
+        return {id(m): [name] for name, m in zip(self.names, self.locals, strict=True)}
 
     def owned(self) -> list[tuple[torch.Tensor, list[PieceRef]]]:
         out: list[tuple[torch.Tensor, list[PieceRef]]] = []

@@ -53,6 +53,7 @@ from megalith.checkpoint import (
     write_pieces,
 )
 from megalith.common.errors import ConfigError
+from megalith.common.validate import check_fraction, check_int, check_positive
 from megalith.distributed import ParallelDims, axis_group, barrier, build_mesh, rank, world_size
 from megalith.optim import BoostedOptimizer
 from megalith.policies import Policy, policy_for
@@ -83,6 +84,8 @@ class HybridConfig:
     sp_mode: "none" | "split_gather" (Megatron-SP on the tp group) | "all_to_all" (Ulysses on the tp
         group: weights replicated there, sequence sharded, heads exchanged around attention).
     zero_stage: 0 = gradients all-reduced over dp (DDP-style), 1/2 = ZeRO over dp.
+    bucket_size_mb: ZeRO bucket size (> 0); checkpoint_ratio: share of each pipeline stage's layers
+        recomputed in backward, in [0, 1]. Sizes are positive ints (not 2.0 or True): ConfigError.
     policy: a `Policy` or `TensorParallelPlan`; None picks the registered policy by model class."""
 
     tp_size: int = 1
@@ -99,13 +102,24 @@ class HybridConfig:
     checkpoint_ratio: float = 0.0
 
     def __post_init__(self) -> None:
-        hybrid_pp.check_options(self)
-        if self.tp_size < 1:
-            raise ConfigError(f"tp_size must be >= 1, got {self.tp_size}")
+        # types and ranges first: 2.0 or True would pass `>= 1` and fail at boost as a mesh stride
+        for name in ("tp_size", "pp_size", "num_model_chunks"):
+            check_int(name, getattr(self, name))
+        if self.num_microbatches is not None:
+            check_int("num_microbatches", self.num_microbatches)
+        if self.layers_per_stage is not None:
+            if not isinstance(self.layers_per_stage, tuple | list):
+                raise ConfigError(f"layers_per_stage must be a tuple of ints, got {self.layers_per_stage!r}")
+            for n in self.layers_per_stage:
+                check_int(f"every entry of layers_per_stage={self.layers_per_stage!r}", n)
+        check_positive("bucket_size_mb", self.bucket_size_mb)
+        check_fraction("checkpoint_ratio", self.checkpoint_ratio)
         if self.sp_mode not in SEQUENCE_MODES:
             raise ConfigError(f"sp_mode must be one of {SEQUENCE_MODES}, got {self.sp_mode!r}")
-        if self.zero_stage not in (0, 1, 2):
-            raise ConfigError(f"zero_stage must be 0, 1 or 2, got {self.zero_stage!r}")
+        hybrid_pp.check_options(self)  # (names ZeRO-3 with pp_size > 1 specifically)
+        zero = self.zero_stage
+        if isinstance(zero, bool) or not isinstance(zero, int) or zero not in (0, 1, 2):  # 2.0 == 2
+            raise ConfigError(f"zero_stage must be 0, 1 or 2, got {zero!r}")
 
 
 class HybridPlugin(Plugin):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalith.booster.optim_state import MASTER, _load_master_state
+from megalith.booster.optim_state import MASTER, _load_master_state, check_optimizer_meta
 from megalith.checkpoint import PieceReader
 from megalith.common.errors import CheckpointError
 from megalith.optim import BoostedOptimizer, DynamicLossScaler, ReplicatedOptimizer, clip_grads_
@@ -231,14 +231,7 @@ class TPZeroOptimizer(_LocalPieces, ZeroOptimizer):
 
 def load_pieces(opt: BoostedOptimizer, reader: PieceReader) -> None:
     meta = reader.meta
-    if meta.get("optimizer") != type(opt.optim).__name__:
-        raise CheckpointError(
-            f"optimizer checkpoint was written by {meta.get('optimizer')}, not {type(opt.optim).__name__}"
-        )
-    if len(meta["groups"]) != len(opt.param_groups):
-        raise CheckpointError(
-            f"optimizer checkpoint has {len(meta['groups'])} param groups, the optimizer has {len(opt.param_groups)}"
-        )
+    check_optimizer_meta(opt, meta, reader.directory)  # class, groups and the parameters of each
     owned = {id(m): refs for m, refs in opt.owned()}
     for group, saved in zip(opt.param_groups, meta["groups"], strict=True):
         group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved["hyper"].items()})
