@@ -8,19 +8,23 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from megalith.common.utils import require
 from megalith_qa.config import ChunkingConfig
 from megalith_qa.embedding import HashingEmbedder
 from megalith_qa.index import ChunkStore, make_client
 from megalith_qa.ingest import TextSplitter
 from megalith_qa.knowledge import KnowledgeBase
+from megalith_qa.llm import SmolLMGenerator
 
 
 @pytest.fixture(autouse=True)
@@ -171,6 +175,12 @@ def sample_files() -> dict[str, bytes]:
 
 
 @pytest.fixture
+def pdf_factory() -> Callable[[list[str]], bytes]:
+    """`make_pdf`: text lines -> the bytes of a minimal valid one-page PDF."""
+    return make_pdf
+
+
+@pytest.fixture
 def kb_factory() -> Callable[[object, str], KnowledgeBase]:
     return make_kb
 
@@ -204,3 +214,56 @@ def make_pipeline(tmp_path: Path) -> Callable[..., object]:
         return pipeline
 
     return build
+
+
+class _FakeTokenizer:
+    eos_token_id = 0
+
+    def apply_chat_template(self, messages: Any, **kwargs: Any) -> dict[str, Any]:
+        torch = require("torch")
+        return {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
+
+    def decode(self, ids: list[int], **kwargs: Any) -> str:
+        return "".join(f"w{i} " for i in ids)
+
+
+class _FakeModel:
+    """Stands in for SmolLM2: `mode` 'fail' raises like transformers does for max_new_tokens=0, 'hang' never
+    produces a token (until released), 'ok' streams `max_new_tokens` tokens without an end-of-sequence."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.release = threading.Event()
+        self.generation_config = type("GC", (), {"eos_token_id": 0})()
+
+    def generate(self, **kwargs: Any) -> Any:
+        torch = require("torch")
+        if self.mode == "fail":
+            raise ValueError("max_new_tokens must be greater than 0")
+        if self.mode == "hang":
+            self.release.wait(30)
+            return kwargs["input_ids"]
+        streamer, prompt = kwargs["streamer"], kwargs["input_ids"]
+        streamer.put(prompt)
+        new = torch.arange(1, kwargs["max_new_tokens"] + 1).unsqueeze(0)
+        for i in range(new.shape[1]):
+            streamer.put(new[:, i])
+        streamer.end()
+        return torch.cat([prompt, new], dim=1)
+
+
+@pytest.fixture
+def fake_smollm() -> Iterator[Callable[..., tuple[SmolLMGenerator, _FakeModel]]]:
+    """`fake_smollm(mode, **SmolLMGenerator kwargs)` -> (generator, fake model): the real streaming and
+    threading code of SmolLMGenerator around a fake model (no weights loaded). Hung models are released."""
+    models: list[_FakeModel] = []
+
+    def build(mode: str, **kwargs: Any) -> tuple[SmolLMGenerator, _FakeModel]:
+        gen = SmolLMGenerator(**kwargs)
+        models.append(_FakeModel(mode))
+        gen._model, gen._tokenizer = models[-1], _FakeTokenizer()
+        return gen, models[-1]
+
+    yield build
+    for model in models:
+        model.release.set()

@@ -154,3 +154,109 @@ def test_serve_subprocess_starts_and_reuses_index(
         sources, embedded = int(found[1]), int(found[2])
         assert sources >= 79  # every pydoc topic, plus the project's non-empty READMEs
         assert embedded == (sources if attempt == 0 else 0)
+
+
+@pytest.fixture
+def no_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if the CLI gets as far as building the pipeline (checks must come first)."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        pytest.fail("the pipeline was built before the bad argument was reported")
+
+    monkeypatch.setattr("megalith_qa.cli.build_pipeline", refuse)
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--max-upload-mb", "nan"], "'nan'"),
+        (["--max-upload-mb", "inf"], "'inf'"),
+        (["--max-upload-mb", "0"], "'0'"),
+        (["--max-new-tokens", "0"], "'0'"),
+        (["--max-new-tokens", "-3"], "'-3'"),
+        (["--embedder", "hashing-abc"], "'hashing-abc'"),
+        (["--embedder", "hashing-4"], "'hashing-4'"),
+        (["--log-level", "verbose"], "'VERBOSE'"),
+        (["--port", "99999"], "'99999'"),
+        (["ingest", "x.txt", "--embedder", "bert"], "'bert'"),
+    ],
+)
+def test_bad_flags_are_usage_errors_naming_the_value(
+    args: list[str], named: str, no_pipeline: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "qa-serve" in err and "error: argument" in err and named in err
+
+
+def test_tiny_upload_limit_is_a_config_error(no_pipeline: None, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--max-upload-mb", "1e-9", "--embedder", "hashing"]) == 2
+    assert "--max-upload-mb 1e-09" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://127.0.0.1:port", "ftp://127.0.0.1:8000"])
+def test_bad_chroma_url_is_a_config_error(
+    url: str, no_pipeline: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--chroma-url", url, "--embedder", "hashing"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qa-serve: error:") and repr(url) in err
+
+
+def test_unreachable_chroma_server_is_a_clear_error(
+    tmp_path: Path, free_port_factory: Callable[[], int], capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = tmp_path / "n.txt"
+    doc.write_text("Otters.")
+    url = f"http://127.0.0.1:{free_port_factory()}"  # nothing listens there
+    assert main(["ingest", str(doc), "--chroma-url", url, "--embedder", "hashing"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qa-serve: error:") and repr(url) in err and "cannot reach a Chroma server" in err
+
+
+def test_top_level_help_points_to_the_serve_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "qa-serve serve --help" in out and "--max-upload-mb" in out and "--port" in out
+
+
+def test_eval_checks_its_files_before_the_evaluation(
+    tmp_path: Path, no_pipeline: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "nonexistent.jsonl"
+    assert (
+        main(["eval", "--embedder", "hashing", "--data-dir", str(tmp_path / "d"), "--eval-set", str(missing)])
+        == 2
+    )
+    assert str(missing) in capsys.readouterr().err
+    folder = tmp_path / "results"
+    folder.mkdir()
+    assert (
+        main(["eval", "--embedder", "hashing", "--data-dir", str(tmp_path / "d"), "--out", str(folder)]) == 2
+    )
+    err = capsys.readouterr().err
+    assert repr(str(folder)) in err and "is a directory" in err
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert main(["eval", "--data-dir", str(tmp_path / "d"), "--out", str(afile / "eval.json")]) == 2
+    assert "is a file" in capsys.readouterr().err
+
+
+def test_eval_results_are_written_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from megalith_qa.evaluation import write_json
+
+    out = tmp_path / "eval.json"
+    write_json(out, {"run": 1})
+    assert json.loads(out.read_text()) == {"run": 1}
+
+    def crash(src: object, dst: object) -> None:
+        raise OSError("crashed before the rename")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="crashed"):
+        write_json(out, {"run": 2})
+    assert json.loads(out.read_text()) == {"run": 1}  # the old results are untouched
+    assert [p.name for p in tmp_path.iterdir()] == ["eval.json"]  # and no temporary file is left

@@ -1,18 +1,28 @@
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from megalith.common.errors import ConfigError
+from megalith.common.utils import require
 from megalith_qa.documents import ScoredChunk
 from megalith_qa.llm import (
+    COMPLETE_MARKER,
     ExtractiveGenerator,
+    GenerationError,
     GenerationRequest,
     SmolLMGenerator,
     build_prompt,
+    finish_reason_of,
     make_generator,
 )
+from megalith_qa.memory import approx_tokens
+
+FakeSmolLM = Callable[..., tuple[SmolLMGenerator, Any]]
 
 
 def _ctx(text: str, source: str = "s") -> ScoredChunk:
@@ -66,3 +76,114 @@ def test_smollm2_generates_a_few_tokens_and_caches_conversion(tmp_path: Path) ->
     assert text, "SmolLM2 produced no text"
     assert len(gen._tokenizer(text)["input_ids"]) <= 8
     assert (tmp_path / "smollm2-135m-instruct" / "config.json").is_file()
+    assert (tmp_path / "smollm2-135m-instruct" / COMPLETE_MARKER).is_file()
+    assert SmolLMGenerator(cache_dir=tmp_path).cached_model_dir() == tmp_path / "smollm2-135m-instruct"
+    pieces = gen.stream(GenerationRequest("Explain Python in detail.", req.contexts, max_new_tokens=3))
+    assert "".join(pieces) and finish_reason_of(pieces) == "length"
+
+
+def test_extractive_honours_max_new_tokens() -> None:
+    ctx = (_ctx("Green tea is steeped at 80 degrees for two minutes. Black tea needs boiling water."),)
+    full = ExtractiveGenerator().stream(
+        GenerationRequest("How is green tea steeped?", ctx, max_new_tokens=100)
+    )
+    text = "".join(full)
+    assert finish_reason_of(full) == "stop" and approx_tokens(text) < 100
+    cut = ExtractiveGenerator().stream(GenerationRequest("How is green tea steeped?", ctx, max_new_tokens=2))
+    assert "".join(cut) == "Green tea" and finish_reason_of(cut) == "length"
+    exact = ExtractiveGenerator().stream(
+        GenerationRequest("How is green tea steeped?", ctx, max_new_tokens=approx_tokens(text))
+    )
+    assert "".join(exact) == text and finish_reason_of(exact) == "stop"
+
+
+@pytest.mark.parametrize("bad", [0, -5])
+def test_generation_request_refuses_non_positive_max_new_tokens(bad: int) -> None:
+    with pytest.raises(ConfigError, match=f"got {bad}"):
+        GenerationRequest("q", (), max_new_tokens=bad)
+
+
+@pytest.mark.timeout(60)
+def test_smollm_generation_error_reaches_the_reader(fake_smollm: FakeSmolLM) -> None:
+    """The worker's exception is re-raised in the reader at once; it used to leave the reader waiting forever."""
+    gen, _ = fake_smollm("fail")
+    require("transformers")  # its first import takes seconds on a slow machine; not what is timed here
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="max_new_tokens must be greater than 0"):
+        list(gen.stream(GenerationRequest("q", (_ctx("c"),))))
+    assert time.monotonic() - start < 10
+    gen._model.mode = "ok"  # the generation lock was released: the next request works
+    assert gen.generate(GenerationRequest("q", (_ctx("c"),), max_new_tokens=2)) == "w1 w2"
+
+
+@pytest.mark.timeout(60)
+def test_smollm_stalled_generation_times_out(fake_smollm: FakeSmolLM) -> None:
+    gen, model = fake_smollm("hang", stall_timeout_s=0.5, poll_s=0.05)
+    require("transformers")
+    try:
+        start = time.monotonic()
+        with pytest.raises(GenerationError, match="no text for 0.5s"):
+            list(gen.stream(GenerationRequest("q", (_ctx("c"),))))
+        assert time.monotonic() - start < 10
+    finally:
+        model.release.set()
+
+
+@pytest.mark.timeout(60)
+def test_smollm_reports_length_when_cut(fake_smollm: FakeSmolLM) -> None:
+    gen, _ = fake_smollm("ok")
+    pieces = gen.stream(GenerationRequest("q", (_ctx("c"),), max_new_tokens=3))
+    assert "".join(pieces).split() == ["w1", "w2", "w3"]
+    assert finish_reason_of(pieces) == "length"
+
+
+class _FakeSaver:
+    def __init__(self, files: dict[str, str], fail: bool = False) -> None:
+        self.files, self.fail = files, fail
+        self.config = type("Config", (), {})()
+
+    def save_pretrained(self, path: str) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        for name, text in self.files.items():
+            Path(path, name).write_text(text)
+        if self.fail:
+            raise OSError("disk full")
+
+
+def test_converted_model_cache_is_published_atomically(tmp_path: Path) -> None:
+    target = tmp_path / "models" / "smollm2-135m-instruct"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")  # what an interrupted conversion of an older version left
+    gen = SmolLMGenerator(cache_dir=tmp_path / "models")
+    assert gen.cached_model_dir() is None  # half-written: converted again, never loaded
+
+    with pytest.raises(OSError, match="disk full"):
+        SmolLMGenerator._save_converted(
+            _FakeSaver({"config.json": "{}"}), _FakeSaver({"tokenizer.json": "{}"}, fail=True), target
+        )
+    assert gen.cached_model_dir() is None
+    assert sorted(p.name for p in target.parent.iterdir()) == ["smollm2-135m-instruct"]  # no temp left
+
+    SmolLMGenerator._save_converted(
+        _FakeSaver({"config.json": "{}", "model.safetensors": "w"}),
+        _FakeSaver({"tokenizer.json": "t"}),
+        target,
+    )
+    assert gen.cached_model_dir() == target
+    assert {p.name for p in target.iterdir()} == {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        COMPLETE_MARKER,
+    }
+    assert sorted(p.name for p in target.parent.iterdir()) == ["smollm2-135m-instruct"]
+
+
+def test_abandoned_conversion_folders_are_removed(tmp_path: Path) -> None:
+    target = tmp_path / "smollm2-135m-instruct"
+    dead = tmp_path / f".{target.name}.tmp-999999999-abcd1234"  # no such pid
+    dead.mkdir()
+    SmolLMGenerator._save_converted(
+        _FakeSaver({"config.json": "{}"}), _FakeSaver({"tokenizer.json": "t"}), target
+    )
+    assert not dead.exists() and (target / COMPLETE_MARKER).is_file()

@@ -1,9 +1,14 @@
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+
 import pytest
 
 from megalith.common.errors import DataError
-from megalith_qa.ingest import UnsafeNameError, UnsupportedTypeError, load_bytes, sanitize_filename
+from megalith_qa.documents import content_hash
+from megalith_qa.ingest import UnsafeNameError, UnsupportedTypeError, file_kind, load_bytes, sanitize_filename
+from megalith_qa.ingest.loaders import MAX_JSON_DEPTH, MAX_NAME_CHARS
 
 EXPECTED_TEXT = {
     "notes.txt": "zebra migration",
@@ -65,8 +70,10 @@ def test_broken_pdf_is_a_data_error() -> None:
     [
         ("notes.md", "notes.md"),
         ("dir/sub/notes.md", "notes.md"),
-        ("C:\\x\\a b.txt", "a_b.txt"),
+        ("C:\\x\\a b.txt", f"a_b-{content_hash('a b.txt')[:8]}.txt"),
         ("报告.txt", "报告.txt"),
+        ("r\u00e9sum\u00e9.txt", "r\u00e9sum\u00e9.txt"),
+        ("re\u0301sume\u0301.txt", "r\u00e9sum\u00e9.txt"),  # NFD (macOS) names are NFC-normalised
     ],
 )
 def test_sanitize_keeps_a_bare_name(raw: str, clean: str) -> None:
@@ -79,3 +86,77 @@ def test_sanitize_keeps_a_bare_name(raw: str, clean: str) -> None:
 def test_sanitize_refuses_traversal_and_empty(raw: str) -> None:
     with pytest.raises(UnsafeNameError):
         sanitize_filename(raw)
+
+
+def test_sanitized_names_never_merge() -> None:
+    """Names that differ only in replaced characters stay different sources (a hash of the original is added)."""
+    raws = ["a b.txt", "a_b.txt", "a?b.txt", "x\U0001f600.txt", "x\U0001f603.txt", "résumé.txt", "rüsumü.txt"]
+    clean = [sanitize_filename(r) for r in raws]
+    assert len(set(clean)) == len(raws), clean
+    assert clean[1] == "a_b.txt"  # an already clean name is kept as it is
+    assert re.fullmatch(r"x-[0-9a-f]{8}\.txt", clean[3])
+
+
+@pytest.mark.parametrize(("raw", "ext"), [("a" * 195 + ".jsonl", "jsonl"), ("b" * 198 + ".txt", "txt")])
+def test_long_names_keep_their_extension(raw: str, ext: str) -> None:
+    clean = sanitize_filename(raw)
+    assert len(clean) <= MAX_NAME_CHARS and clean.endswith("." + ext)
+    assert file_kind(clean) == ext
+    other = sanitize_filename(raw[: -1 - len(ext)] + "Z." + ext)  # same first 200 characters
+    assert other != clean
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "where"),
+    [
+        ("deep.json", b"[" * 5000 + b"]" * 5000, rf"deep\.json:1:{MAX_JSON_DEPTH + 1}: nested deeper than"),
+        ("deep2.json", b"[" * 900 + b"1" + b"]" * 900, rf"deep2\.json:1:{MAX_JSON_DEPTH + 1}: nested deeper"),
+        ("deep3.json", b'{"a":\n' + b"[" * 300 + b"]" * 300 + b"}", r"deep3\.json:2:\d+: nested deeper"),
+        ("deep.jsonl", b'{"a": 1}\n' + b"[" * 5000 + b"]" * 5000 + b"\n", r"deep\.jsonl:2:\d+: nested"),
+        ("big.json", b'{"n": ' + b"1" * 5000 + b"}", r"big\.json:1:7: integer with 5000 digits"),
+        (
+            "big.jsonl",
+            b'{"a": 1}\n{"n": -' + b"7" * 5000 + b"}\n",
+            r"big\.jsonl:2:7: integer with 5000 digits",
+        ),
+        ("big.csv", b"h,i\n1,2\n" + b"x" * 200_000 + b",3\n", r"big\.csv:3: field larger than field limit"),
+    ],
+)
+def test_data_past_parser_limits_is_a_data_error_naming_file_and_line(
+    name: str, data: bytes, where: str
+) -> None:
+    with pytest.raises(DataError, match=where):
+        load_bytes(name, data)
+
+
+def test_json_within_limits_still_loads() -> None:
+    nested = load_bytes("ok.json", b"[" * 150 + b'"deep value"' + b"]" * 150).text
+    assert nested.endswith(": deep value")
+    assert load_bytes("n.json", b'{"n": ' + b"9" * 4000 + b"}").text == "n: " + "9" * 4000
+    big_float = load_bytes("f.json", b'{"f": 1.' + b"0" * 5000 + b"}").text  # floats have no digit limit
+    assert big_float == "f: 1.0"
+
+
+def test_self_referencing_pdf_length_is_a_data_error(pdf_factory: Callable[[list[str]], bytes]) -> None:
+    """pypdf's LimitReachedError (a /Length that refers to its own object) is a DataError, not a 500."""
+    base = pdf_factory(["Glacier report: the glacier retreated forty metres."])
+    i = base.index(b"/Length ")
+    j = base.index(b">>", i)
+    bad = base[:i] + b"/Length 4 0 R".ljust(j - i) + base[j:]
+    with pytest.raises(DataError, match=r"selfref\.pdf: not a readable PDF"):
+        load_bytes("selfref.pdf", bad)
+
+
+def test_csv_error_names_the_physical_line() -> None:
+    data = b'name,note\na,"line one\nline two\nline three"\nb,c,EXTRA\n'
+    with pytest.raises(DataError, match=r"multiline\.csv:5: expected 2 fields, got 3"):
+        load_bytes("multiline.csv", data)
+    ok = load_bytes("blank.csv", b"a,b\n\n1,2\n\n").text  # blank lines are not rows
+    assert ok == "a: 1; b: 2"
+
+
+def test_jsonl_lines_end_at_newline_only() -> None:
+    """U+2028, U+2029 and U+0085 are legal unescaped inside JSON strings; str.splitlines() splits on them."""
+    text = "first\u2028second\u2029third\x85end"
+    raw = ('{"text": "' + text + '"}\n{"text": "next"}\r\n').encode()
+    assert load_bytes("ls.jsonl", raw).text == f"text: {text}\n\ntext: next"

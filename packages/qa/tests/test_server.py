@@ -185,3 +185,159 @@ def test_health_stays_responsive_during_generation(make_pipeline: Callable[..., 
 
     health, pending, chat = asyncio.run(scenario())
     assert health == 200 and pending and chat == 200
+
+
+def test_max_tokens_is_honoured_with_finish_reason_length(client: TestClient) -> None:
+    question = "How hot for green tea?"
+    full = _ask(client, question).json()
+    assert full["choices"][0]["finish_reason"] == "stop" and full["usage"]["completion_tokens"] > 2
+    cut = _ask(client, question, max_tokens=2).json()
+    assert cut["choices"][0]["finish_reason"] == "length"
+    assert cut["usage"]["completion_tokens"] == 2
+    assert full["choices"][0]["message"]["content"].startswith(cut["choices"][0]["message"]["content"])
+    with client.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": question}], "stream": True, "max_tokens": 3},
+    ) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert len([e for e in events if e["choices"][0]["delta"].get("content")]) == 3
+
+
+def test_empty_reupload_is_refused_and_keeps_the_document(client: TestClient) -> None:
+    assert (
+        client.post("/documents", files={"file": ("notes.txt", b"Real notes about zebras.")}).status_code
+        == 201
+    )
+    before = client.get("/documents").json()
+    empty = client.post("/documents", files={"file": ("notes.txt", b"   \n  ")})
+    assert empty.status_code == 422 and "notes.txt: no text to index" in empty.json()["detail"]
+    assert client.get("/documents").json() == before
+
+
+def test_upload_names_keep_types_and_never_merge(client: TestClient) -> None:
+    long_jsonl = "a" * 195 + ".jsonl"
+    resp = client.post("/documents", files={"file": (long_jsonl, b'{"x": 1}\n{"y": 2}\n')})
+    assert resp.status_code == 201, resp.text
+    assert resp.json()["source"].endswith(".jsonl")
+    first = client.post("/documents", files={"file": ("my notes?.txt", b"alice: quokkas")}).json()
+    second = client.post("/documents", files={"file": ("my notes!.txt", b"bob: wombats")}).json()
+    assert first["status"] == second["status"] == "added" and first["source"] != second["source"]
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "where"),
+    [
+        ("deep.json", b"[" * 5000 + b"]" * 5000, "deep.json:1:201: nested deeper than 200 levels"),
+        ("big.jsonl", b'{"a": 1}\n{"n": ' + b"1" * 5000 + b"}\n", "big.jsonl:2:7: integer with 5000 digits"),
+        ("big.csv", b"h\n" + b"x" * 200_000 + b"\n", "big.csv:2: field larger than field limit"),
+    ],
+)
+def test_bad_upload_data_is_422_naming_file_and_line(
+    make_pipeline: Callable[..., object], name: str, data: bytes, where: str
+) -> None:
+    client = TestClient(
+        create_app(make_pipeline(max_upload_bytes=1024 * 1024)), raise_server_exceptions=False
+    )
+    resp = client.post("/documents", files={"file": (name, data)})
+    assert resp.status_code == 422 and where in resp.json()["detail"]
+
+
+def _multipart_stream(total: int, chunk: int = 64 * 1024) -> tuple[list[bytes], int]:
+    head = b'--b0\r\nContent-Disposition: form-data; name="file"; filename="huge.txt"\r\n\r\n'
+    parts = [head] + [b"x" * chunk for _ in range(total // chunk)] + [b"\r\n--b0--\r\n"]
+    return parts, sum(len(p) for p in parts)
+
+
+def test_chunked_upload_is_stopped_at_the_limit(client: TestClient) -> None:
+    """Without Content-Length the body is counted as it is read: 413 right after the limit is passed,
+    not after the whole (here 64 MiB) body has been received and spooled."""
+    parts, total = _multipart_stream(64 * 1024 * 1024)
+    sent = 0
+
+    async def receive() -> dict[str, object]:
+        nonlocal sent
+        if sent < len(parts):
+            sent += 1
+            return {"type": "http.request", "body": parts[sent - 1], "more_body": sent < len(parts)}
+        return {"type": "http.disconnect"}
+
+    messages: list[dict[str, object]] = []
+
+    async def send(message: dict[str, object]) -> None:
+        messages.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/documents",
+        "raw_path": b"/documents",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"content-type", b"multipart/form-data; boundary=b0"),
+            (b"transfer-encoding", b"chunked"),
+        ],
+        "client": ("127.0.0.1", 1234),
+        "server": ("127.0.0.1", 80),
+    }
+    asyncio.run(client.app(scope, receive, send))  # type: ignore[arg-type]
+    start = next(m for m in messages if m["type"] == "http.response.start")
+    assert start["status"] == 413
+    body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")  # type: ignore[misc]
+    assert b"upload limit" in body
+    consumed = sum(len(p) for p in parts[:sent])
+    assert consumed < 4096 + 64 * 1024 + 2 * 64 * 1024 < total
+
+
+def test_upload_parsing_runs_off_the_event_loop(
+    make_pipeline: Callable[..., object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import megalith_qa.server as server_module
+
+    started, release = threading.Event(), threading.Event()
+    real_load = server_module.load_bytes
+
+    def slow_load(name: str, data: bytes):  # type: ignore[no-untyped-def]
+        started.set()
+        if not release.wait(timeout=10):
+            raise TimeoutError("parse was never released: it blocked the event loop")
+        return real_load(name, data)
+
+    monkeypatch.setattr(server_module, "load_bytes", slow_load)
+    app = create_app(make_pipeline())
+
+    async def scenario() -> tuple[int, bool, int]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as ac:
+            upload = asyncio.create_task(ac.post("/documents", files={"file": ("n.txt", b"Quokkas smile.")}))
+            await asyncio.to_thread(started.wait, 10)
+            health = await asyncio.wait_for(ac.get("/healthz"), timeout=5)
+            pending = not upload.done()
+            release.set()
+            return health.status_code, pending, (await upload).status_code
+
+    health, pending, upload = asyncio.run(scenario())
+    assert health == 200 and pending and upload == 201
+
+
+@pytest.mark.timeout(120)
+def test_failing_generation_ends_the_request(
+    make_pipeline: Callable[..., object], fake_smollm: Callable[..., tuple[object, object]]
+) -> None:
+    """A generation error gives a 500 (or ends the event stream) instead of a request that never returns."""
+    gen, _ = fake_smollm("fail")
+    client = TestClient(create_app(make_pipeline(generator=gen)), raise_server_exceptions=False)
+    resp = _ask(client, "What is the capital of France?")
+    assert resp.status_code == 500
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        with TestClient(create_app(make_pipeline(generator=gen))).stream(
+            "POST",
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "capital?"}], "stream": True},
+        ) as stream:
+            list(stream.iter_lines())

@@ -7,20 +7,22 @@ environment variable MEGALITH_DATA_DIR, else ~/.cache/megalith/qa.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
+import math
 import os
 import platform
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from megalith.common.errors import MegalithError
+from megalith.common.errors import ConfigError, MegalithError
 from megalith.common.logging import configure_logging
 from megalith_qa import __version__
 from megalith_qa.config import QAConfig, ServerConfig, resolve_data_dir
+from megalith_qa.embedding import parse_embedder
 from megalith_qa.pipeline import build_pipeline
 
 logger = logging.getLogger(__name__)
@@ -30,6 +32,57 @@ DESCRIPTION = (
     "READMEs, and files you add). Commands: serve (default), ingest PATH..., eval. Data directory: "
     "--data-dir, else $MEGALITH_DATA_DIR, else ~/.cache/megalith/qa."
 )
+EPILOG = """\
+`qa-serve` with no command, or with only options, runs `serve`. The server's options
+(--host, --port, --api-key, --llm, --max-upload-mb, --max-new-tokens, --no-builtin, --data-dir,
+--chroma-url, --embedder, --log-level) are listed by:
+
+  qa-serve serve --help
+
+and the other commands' by `qa-serve ingest --help` and `qa-serve eval --help`."""
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def positive_float(value: str) -> float:
+    """argparse type: a finite number > 0 (rejects nan, inf, 0, negatives)."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number) or number <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value!r}")
+    return number
+
+
+def positive_int(value: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}")
+    return number
+
+
+def port_number(value: str) -> int:
+    """argparse type: a TCP port 0..65535 (0 lets the system pick one)."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in 0..65535, got {value!r}")
+    return number
+
+
+def embedder_kind(value: str) -> str:
+    """argparse type: 'minilm', 'hashing' or 'hashing-<dim>' (checked without loading anything)."""
+    try:
+        parse_embedder(value)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return value
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -46,13 +99,25 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--embedder",
         default="minilm",
-        help="embedding model: 'minilm' (all-MiniLM-L6-v2, default) or 'hashing' (fast feature hashing, for tests)",
+        type=embedder_kind,
+        help="embedding model: 'minilm' (all-MiniLM-L6-v2, default) or 'hashing[-DIM]' (fast feature hashing, for tests)",
     )
-    parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING)")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        help="logging level: DEBUG, INFO (default), WARNING, ERROR or CRITICAL",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qa-serve", description=DESCRIPTION)
+    parser = argparse.ArgumentParser(
+        prog="qa-serve",
+        description=textwrap.fill(DESCRIPTION, width=100),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"megalith-qa {__version__}")
     sub = parser.add_subparsers(dest="command")
     serve = sub.add_parser(
@@ -62,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need --api-key)"
     )
-    serve.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    serve.add_argument("--port", type=port_number, default=8000, help="port to bind (default 8000)")
     serve.add_argument(
         "--api-key",
         default=os.environ.get("MEGALITH_QA_API_KEY"),
@@ -75,10 +140,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="answer generator: SmolLM2-135M-Instruct (default) or extractive (best-matching sentences; fast)",
     )
     serve.add_argument(
-        "--max-upload-mb", type=float, default=10.0, help="largest accepted upload in MiB (default 10)"
+        "--max-upload-mb",
+        type=positive_float,
+        default=10.0,
+        help="largest accepted upload in MiB (default 10)",
     )
     serve.add_argument(
-        "--max-new-tokens", type=int, default=128, help="default answer length limit in tokens (default 128)"
+        "--max-new-tokens",
+        type=positive_int,
+        default=128,
+        help="default answer length limit in tokens, >= 1 (default 128; a request's max_tokens overrides it)",
     )
     serve.add_argument(
         "--no-builtin", action="store_true", help="do not ingest the built-in knowledge base at start"
@@ -94,7 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--eval-set", default=None, help="JSON-lines question set (default: the one shipped with the package)"
     )
     ev.add_argument(
-        "--out", default=None, help="where to write the JSON results (default DATA_DIR/eval.json)"
+        "--out",
+        default=None,
+        help="JSON results file, written atomically (default DATA_DIR/eval.json); must not be a directory",
     )
     return parser
 
@@ -107,11 +180,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def make_config(ns: argparse.Namespace, llm: str = "extractive") -> QAConfig:
+    mib = getattr(ns, "max_upload_mb", 10.0)
+    max_upload_bytes = int(mib * 1024 * 1024)
+    if max_upload_bytes < 1:
+        raise ConfigError(f"--max-upload-mb {mib!r} is less than one byte")
     server = ServerConfig(
         host=getattr(ns, "host", "127.0.0.1"),
         port=getattr(ns, "port", 8000),
         api_key=getattr(ns, "api_key", None),
-        max_upload_bytes=int(getattr(ns, "max_upload_mb", 10.0) * 1024 * 1024),
+        max_upload_bytes=max_upload_bytes,
         max_new_tokens=getattr(ns, "max_new_tokens", 128),
     )
     return QAConfig(
@@ -130,13 +207,28 @@ def cmd_ingest(ns: argparse.Namespace) -> int:
     return 0
 
 
+def check_output_file(out: Path) -> None:
+    """ConfigError unless `out` can be written as a file: not a directory, and no file where a folder is needed."""
+    if out.is_dir():
+        raise ConfigError(
+            f"--out {str(out)!r} is a directory; give a file path such as {str(out / 'eval.json')!r}"
+        )
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"--out {str(out)!r}: {str(parent)!r} is a file, not a directory")
+            return
+
+
 def cmd_eval(ns: argparse.Namespace) -> int:
-    from megalith_qa.evaluation import evaluate, format_table, load_eval_set, to_json
+    from megalith_qa.evaluation import evaluate, format_table, load_eval_set, to_json, write_json
 
     config = make_config(ns)
+    out = Path(ns.out) if ns.out else config.data_dir / "eval.json"
+    check_output_file(out)  # both checks come before the (minutes long) ingestion and evaluation
+    items = load_eval_set(Path(ns.eval_set) if ns.eval_set else None)
     pipeline = build_pipeline(config, ns.embedder)
     pipeline.ingest_builtin(progress=True)
-    items = load_eval_set(Path(ns.eval_set) if ns.eval_set else None)
     scores = evaluate(pipeline.retriever, items, progress=True)
     print(format_table(scores))
     extra = {
@@ -145,9 +237,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
     }
-    out = Path(ns.out) if ns.out else config.data_dir / "eval.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(to_json(scores, extra), indent=2), encoding="utf-8")
+    write_json(out, to_json(scores, extra))
     print(f"wrote {out}")
     return 0
 

@@ -6,6 +6,7 @@ import ipaddress
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlparse
 
 from megalith.common.errors import ConfigError
 
@@ -28,6 +29,20 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def parse_chroma_url(url: str) -> tuple[str, int, bool]:
+    """(host, port, ssl) of a Chroma server URL `http(s)://host[:port]` (port defaults: 8000, https 443)."""
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https"):
+        raise ConfigError(f"--chroma-url must start with http:// or https://, got {url!r}")
+    if not parsed.hostname:
+        raise ConfigError(f"--chroma-url {url!r} has no host")
+    try:
+        port = parsed.port
+    except ValueError as exc:  # urllib: "Port out of range 0-65535" or "Port could not be cast to integer"
+        raise ConfigError(f"--chroma-url {url!r}: invalid port ({exc})") from exc
+    return parsed.hostname, port or (443 if parsed.scheme == "https" else 8000), parsed.scheme == "https"
 
 
 @dataclass(frozen=True)
@@ -101,6 +116,8 @@ class ServerConfig:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
         if self.max_upload_bytes < 1:
             raise ConfigError(f"max_upload_bytes must be >= 1, got {self.max_upload_bytes}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
 @dataclass(frozen=True)
@@ -120,8 +137,8 @@ class QAConfig:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
         if self.llm not in LLM_CHOICES:
             raise ConfigError(f"llm must be one of {LLM_CHOICES}, got {self.llm!r}")
-        if self.chroma_url is not None and not self.chroma_url.startswith(("http://", "https://")):
-            raise ConfigError(f"--chroma-url must start with http:// or https://, got {self.chroma_url!r}")
+        if self.chroma_url is not None:
+            parse_chroma_url(self.chroma_url)
         if self.memory_tokens < 32:
             raise ConfigError(f"memory_tokens must be >= 32, got {self.memory_tokens}")
 

@@ -72,6 +72,16 @@ class SourceRecord:
 
 
 @dataclass(frozen=True)
+class StoredDocument:
+    """What the store holds under one document id: its chunk ids, the distinct source hashes they record, and
+    whether they are exactly one complete version (every chunk records its version's chunk count)."""
+
+    ids: tuple[str, ...]
+    hashes: frozenset[str]
+    complete: bool
+
+
+@dataclass(frozen=True)
 class IngestResult:
     """Outcome of ingesting one source: 'added', 'replaced' or 'unchanged'."""
 

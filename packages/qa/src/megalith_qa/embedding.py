@@ -92,11 +92,27 @@ class MiniLMEmbedder:
         return np.asarray(vecs, dtype=np.float32)
 
 
+def parse_embedder(kind: str) -> tuple[str, int | None]:
+    """('minilm', None) or ('hashing', dim) for 'minilm', 'hashing' (dim 256) or 'hashing-<dim>' (dim >= 8).
+
+    Pure (loads nothing), so the CLI checks `--embedder` before building anything."""
+    if kind == "minilm":
+        return "minilm", None
+    if kind == "hashing":
+        return "hashing", 256
+    prefix, _, dim = kind.partition("-")
+    if prefix == "hashing" and dim.isdigit() and dim.isascii():
+        if int(dim) < 8:
+            raise ConfigError(f"hashing embedder dim must be >= 8, got {kind!r}")
+        return "hashing", int(dim)
+    raise ConfigError(
+        f"unknown embedder {kind!r}; choose 'minilm', 'hashing' or 'hashing-<dim>' (e.g. hashing-256)"
+    )
+
+
 def make_embedder(kind: str) -> Embedder:
     """'minilm' (default) or 'hashing' / 'hashing-<dim>'."""
-    if kind == "minilm":
+    family, dim = parse_embedder(kind)
+    if family == "minilm":
         return MiniLMEmbedder()
-    if kind.startswith("hashing"):
-        _, _, dim = kind.partition("-")
-        return HashingEmbedder(int(dim) if dim else 256)
-    raise ConfigError(f"unknown embedder {kind!r}; choose 'minilm' or 'hashing[-dim]'")
+    return HashingEmbedder(dim or 256)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from importlib import resources
@@ -48,9 +49,13 @@ def load_eval_set(path: Path | None = None) -> list[EvalItem]:
         text = resources.files("megalith_qa").joinpath("data/eval_set.jsonl").read_text(encoding="utf-8")
         name = "eval_set.jsonl"
     else:
-        text, name = path.read_text(encoding="utf-8"), str(path)
+        name = str(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DataError(f"{name}: cannot read the evaluation set ({exc})") from exc
     items = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
@@ -124,3 +129,18 @@ def format_table(scores: Sequence[ModeScores]) -> str:
 
 def to_json(scores: Sequence[ModeScores], extra: dict[str, object] | None = None) -> dict[str, object]:
     return {"modes": {s.mode: asdict(s) for s in scores}, **(extra or {})}
+
+
+def write_json(path: Path, data: object) -> None:
+    """Write `data` as indented JSON atomically: a temporary file beside `path`, flushed to disk, then
+    `os.replace`d over it, so neither a reader nor a crash ever sees a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("w", encoding="utf-8") as fh:
+            fh.write(json.dumps(data, indent=2) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

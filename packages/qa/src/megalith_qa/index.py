@@ -4,6 +4,11 @@ Every chunk carries its source name, document id and the SHA-256 of the source's
 metadata; that record is what makes re-ingesting an unchanged source a no-op and a changed one a
 replacement, with either backend. Vectors are unit-norm and the collection uses cosine distance, so
 `score = 1 - distance` is the cosine similarity.
+
+Change detection across processes: every write through a `ChunkStore` stores a fresh random generation
+marker in the collection's metadata (after the data). `sync_version()` reads that marker and the chunk
+count (two cheap reads) and bumps the local `version` when either differs from what it saw last, so caches
+keyed on the version also notice writes made by other processes or clients of the same collection.
 """
 
 from __future__ import annotations
@@ -11,15 +16,18 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import uuid
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlparse
 
 from megalith.common.errors import ConfigError
 from megalith.common.utils import require
-from megalith_qa.documents import Chunk, ScoredChunk, SourceRecord
+from megalith_qa.config import parse_chroma_url
+from megalith_qa.documents import Chunk, ScoredChunk, SourceRecord, StoredDocument
 
 logger = logging.getLogger(__name__)
+GENERATION_KEY = "megalith_qa:generation"  # collection metadata: a new random value after every write
+DOC_CHUNKS_KEY = "doc_chunks"  # chunk metadata: how many chunks the chunk's document version has
 
 
 def chroma_settings() -> Any:
@@ -34,11 +42,11 @@ def make_client(chroma_dir: str | os.PathLike[str] | None = None, chroma_url: st
     chromadb = require("chromadb")
     settings = chroma_settings()
     if chroma_url:
-        url = urlparse(chroma_url)
-        if not url.hostname:
-            raise ConfigError(f"--chroma-url {chroma_url!r} has no host")
-        port = url.port or (443 if url.scheme == "https" else 8000)
-        return chromadb.HttpClient(host=url.hostname, port=port, ssl=url.scheme == "https", settings=settings)
+        host, port, ssl = parse_chroma_url(chroma_url)
+        try:
+            return chromadb.HttpClient(host=host, port=port, ssl=ssl, settings=settings)
+        except ValueError as exc:  # chromadb's "Could not connect to a Chroma server"
+            raise ConfigError(f"--chroma-url {chroma_url!r}: cannot reach a Chroma server ({exc})") from exc
     if chroma_dir is None:
         raise ConfigError("either a chroma directory or a chroma URL is needed")
     os.makedirs(chroma_dir, exist_ok=True)
@@ -48,7 +56,8 @@ def make_client(chroma_dir: str | os.PathLike[str] | None = None, chroma_url: st
 class ChunkStore:
     """Chunks with their embeddings in a Chroma collection, plus a monotonically increasing version.
 
-    `version` changes on every mutation made through this object; caches and the BM25 index key on it.
+    `version` changes on every mutation made through this object and, via `sync_version()`, on changes
+    made by anyone else; caches and the BM25 index key on it.
     """
 
     def __init__(self, client: Any, name: str) -> None:
@@ -59,48 +68,105 @@ class ChunkStore:
         )
         self._lock = threading.RLock()
         self._version = 0
+        self._seen: tuple[int, str] | None = None
         self._batch = int(getattr(client, "get_max_batch_size", lambda: 1000)() or 1000)
 
     @property
     def version(self) -> int:
+        """The local version: no I/O (the health check reads it); see `sync_version` for outside writes."""
         return self._version
+
+    def generation(self) -> tuple[int, str]:
+        """(chunk count, generation marker) as the store has them now."""
+        meta = self.client.get_collection(name=self.name, embedding_function=None).metadata or {}
+        return self.count(), str(meta.get(GENERATION_KEY, ""))
+
+    def sync_version(self) -> int:
+        """Look at the store; bump and return `version` if it changed since the last look (any writer)."""
+        state = self.generation()
+        with self._lock:
+            if self._seen is not None and state != self._seen:
+                self._version += 1
+            self._seen = state
+            return self._version
+
+    def _mark_changed(self) -> None:
+        """After a write: bump the local version and publish a fresh generation marker for other readers."""
+        self._version += 1
+        self._seen = None
+        meta = {k: v for k, v in (self.collection.metadata or {}).items() if not k.startswith("hnsw:")}
+        self.collection.modify(metadata={**meta, GENERATION_KEY: uuid.uuid4().hex})
 
     def count(self) -> int:
         return int(self.collection.count())
 
+    def stored(self, doc_id: str) -> StoredDocument:
+        """Chunk ids, distinct source hashes and completeness of what is stored for one document id."""
+        got = self.collection.get(where={"doc_id": doc_id}, include=["metadatas"])
+        metas = [m or {} for m in got["metadatas"] or []]
+        ids = tuple(got["ids"])
+        # chunks written before DOC_CHUNKS_KEY existed count as complete (the old writer had no marker)
+        complete = all(int(m.get(DOC_CHUNKS_KEY) or len(ids)) == len(ids) for m in metas)
+        return StoredDocument(ids, frozenset(str(m.get("source_hash")) for m in metas), complete)
+
     def records_for(self, doc_id: str) -> tuple[list[str], set[str]]:
         """(chunk ids, distinct source hashes) stored for one document id."""
-        got = self.collection.get(where={"doc_id": doc_id}, include=["metadatas"])
-        hashes = {str(m.get("source_hash")) for m in got["metadatas"] or []}
-        return list(got["ids"]), hashes
+        doc = self.stored(doc_id)
+        return list(doc.ids), set(doc.hashes)
 
     def replace(self, doc_id: str, chunks: Sequence[Chunk], embeddings: Any) -> int:
-        """Delete every chunk of `doc_id`, then add `chunks` (embeddings: float32 [len(chunks), dim])."""
+        """Make `chunks` the stored version of `doc_id` (embeddings: float32 [len(chunks), dim]).
+
+        The new chunks are written first (upsert, in batches), then the document's other chunks are
+        deleted, so a reader sees the old version, both, or the new one, never neither. If writing the new
+        chunks fails, those already written are removed again (best effort) and the old version stays.
+        Returns the number of old chunks deleted.
+        """
         with self._lock:
-            removed = self._delete_doc(doc_id)
-            for start in range(0, len(chunks), self._batch):
-                part = chunks[start : start + self._batch]
-                self.collection.add(
-                    ids=[c.id for c in part],
-                    documents=[c.text for c in part],
-                    metadatas=[c.metadata() for c in part],  # type: ignore[misc]
-                    embeddings=embeddings[start : start + len(part)],
-                )
-            self._version += 1
+            old_ids = self.stored(doc_id).ids
+            new_ids = [c.id for c in chunks]
+            try:
+                self._upsert(chunks, embeddings)
+            except BaseException:
+                self._rollback(sorted(set(new_ids) - set(old_ids)))
+                raise
+            keep = set(new_ids)
+            removed = self._delete_ids([i for i in old_ids if i not in keep])
+            self._mark_changed()
             return removed
 
-    def _delete_doc(self, doc_id: str) -> int:
-        ids, _ = self.records_for(doc_id)
+    def _upsert(self, chunks: Sequence[Chunk], embeddings: Any) -> None:
+        total = len(chunks)
+        for start in range(0, total, self._batch):
+            part = chunks[start : start + self._batch]
+            self.collection.upsert(
+                ids=[c.id for c in part],
+                documents=[c.text for c in part],
+                metadatas=[{**c.metadata(), DOC_CHUNKS_KEY: total} for c in part],
+                embeddings=embeddings[start : start + len(part)],
+            )
+
+    def _rollback(self, ids: list[str]) -> None:
+        """Remove the chunks of a failed replace; a failure here is logged (the next ingest repairs it)."""
+        try:
+            self._delete_ids(ids)
+        except Exception:
+            logger.exception("could not remove %d chunks of a failed replace", len(ids))
+
+    def _delete_ids(self, ids: Sequence[str]) -> int:
         for start in range(0, len(ids), self._batch):
-            self.collection.delete(ids=ids[start : start + self._batch])
+            self.collection.delete(ids=list(ids[start : start + self._batch]))
         return len(ids)
+
+    def _delete_doc(self, doc_id: str) -> int:
+        return self._delete_ids(self.stored(doc_id).ids)
 
     def delete(self, doc_id: str) -> int:
         """Remove every chunk of a document; returns how many were removed."""
         with self._lock:
             removed = self._delete_doc(doc_id)
             if removed:
-                self._version += 1
+                self._mark_changed()
             return removed
 
     def all_chunks(self) -> tuple[list[str], list[str], list[dict[str, Any]]]:

@@ -2,9 +2,12 @@
 
 Ingest contract (per source name):
 - same bytes as recorded (SHA-256 of the raw file)  -> 'unchanged', nothing is embedded;
-- different bytes                                    -> 'replaced', old chunks deleted, new ones added;
+- different bytes                                    -> 'replaced': new chunks added, then old ones deleted;
 - new source                                         -> 'added'.
-Identical chunk texts inside one source are stored once (content-hash dedup).
+A stored version that is incomplete (an interrupted replace) never counts as unchanged. A source with no
+text is refused (DataError) and a stored version of it is left as it is. Identical chunk texts inside one
+source are stored once (content-hash dedup). Chunk ids are `<doc_id>:<source_hash[:12]>:<position>`, so a
+new version never overwrites the chunks of the old one before it is complete.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 
 def make_chunks(doc: SourceDocument, splitter: TextSplitter) -> list[Chunk]:
-    """Split a document and drop repeated chunk texts; ids are `<doc_id>:<position>`."""
+    """Split a document and drop repeated chunk texts; ids are `<doc_id>:<source_hash[:12]>:<position>`."""
     doc_id = doc_id_for(doc.source)
     seen: set[str] = set()
     chunks: list[Chunk] = []
@@ -47,9 +50,8 @@ def make_chunks(doc: SourceDocument, splitter: TextSplitter) -> list[Chunk]:
             continue
         seen.add(digest)
         pos = len(chunks)
-        chunks.append(
-            Chunk(f"{doc_id}:{pos}", text, doc.source, doc_id, pos, doc.source_hash, detect_language(text))
-        )
+        cid = f"{doc_id}:{doc.source_hash[:12]}:{pos}"
+        chunks.append(Chunk(cid, text, doc.source, doc_id, pos, doc.source_hash, detect_language(text)))
     return chunks
 
 
@@ -72,6 +74,23 @@ def expand_paths(paths: Iterable[str | Path]) -> list[Path]:
     return out
 
 
+def expand_sources(paths: Iterable[str | Path]) -> dict[str, Path]:
+    """Source name -> file for `ingest PATH...`: a file named directly is named by its file name, a file
+    found under a named folder by its path relative to that folder (posix separators, e.g. `a/README.md`).
+    Two different files that would get the same name are refused (DataError naming both)."""
+    out: dict[str, Path] = {}
+    for raw in paths:
+        root = Path(raw)
+        for path in expand_paths([root]):
+            name = path.relative_to(root).as_posix() if root.is_dir() else path.name
+            prev = out.setdefault(name, path)
+            if prev.resolve() != path.resolve():
+                raise DataError(
+                    f"{prev} and {path} would both be stored as source {name!r}; ingest one of them"
+                )
+    return out
+
+
 class KnowledgeBase:
     """Ingest, delete, and search (dense and BM25) one collection of chunks."""
 
@@ -83,20 +102,26 @@ class KnowledgeBase:
 
     @property
     def version(self) -> int:
+        """The store's local version (no I/O)."""
         return self.store.version
+
+    def sync_version(self) -> int:
+        """The store's version after checking it for writes by other processes (see `ChunkStore.sync_version`)."""
+        return self.store.sync_version()
 
     def ingest(self, doc: SourceDocument) -> IngestResult:
         """Add, replace or skip one source according to its recorded hash (see module docstring)."""
         doc_id = doc_id_for(doc.source)
-        old_ids, old_hashes = self.store.records_for(doc_id)
-        if old_ids and old_hashes == {doc.source_hash}:
-            return IngestResult(doc.source, doc_id, "unchanged", len(old_ids))
+        stored = self.store.stored(doc_id)
+        if stored.ids and stored.complete and stored.hashes == {doc.source_hash}:
+            return IngestResult(doc.source, doc_id, "unchanged", len(stored.ids))
         chunks = make_chunks(doc, self.splitter)
-        if not chunks and not old_ids:
-            raise DataError(f"{doc.source}: no text to index")
+        if not chunks:
+            kept = "; the stored version is kept" if stored.ids else ""
+            raise DataError(f"{doc.source}: no text to index{kept}")
         vectors = self.embedder.embed([c.text for c in chunks])
         self.store.replace(doc_id, chunks, vectors)
-        status = "replaced" if old_ids else "added"
+        status = "replaced" if stored.ids else "added"
         logger.info("%s %s: %d chunks", status, doc.source, len(chunks))
         return IngestResult(doc.source, doc_id, status, len(chunks))
 
@@ -109,9 +134,10 @@ class KnowledgeBase:
         return results
 
     def ingest_paths(self, paths: Iterable[str | Path], progress: bool = False) -> list[IngestResult]:
-        """Ingest files (and supported files under directories); the source name is the file name."""
-        files = expand_paths(paths)
-        return self.ingest_many([load_bytes(p.name, p.read_bytes()) for p in files], progress=progress)
+        """Ingest files (and supported files under directories), named as `expand_sources` says."""
+        files = expand_sources(paths)
+        docs = [load_bytes(name, path.read_bytes()) for name, path in files.items()]
+        return self.ingest_many(docs, progress=progress)
 
     def delete(self, key: str) -> int:
         """Delete a document by its id or by its source name; returns the number of chunks removed."""
@@ -121,11 +147,12 @@ class KnowledgeBase:
     def sources(self) -> list[SourceRecord]:
         return self.store.sources()
 
-    def bm25(self) -> BM25Index:
-        """The BM25 index of the current store version (rebuilt lazily after any change)."""
+    def bm25(self, version: int | None = None) -> BM25Index:
+        """The BM25 index of store version `version` (default: checked now); rebuilt lazily after any change."""
+        if version is None:
+            version = self.store.sync_version()
         with self._lock:
-            if self._bm25 is None or self._bm25_version != self.store.version:
-                version = self.store.version
+            if self._bm25 is None or self._bm25_version != version:
                 ids, texts, metas = self.store.all_chunks()
                 self._bm25 = BM25Index(ids, texts, [str(m["source"]) for m in metas])
                 self._bm25_version = version
@@ -134,5 +161,5 @@ class KnowledgeBase:
     def dense_search(self, query: str, k: int) -> list[ScoredChunk]:
         return self.store.search(self.embedder.embed([query])[0], k)
 
-    def bm25_search(self, query: str, k: int) -> list[ScoredChunk]:
-        return self.bm25().search(query, k)
+    def bm25_search(self, query: str, k: int, version: int | None = None) -> list[ScoredChunk]:
+        return self.bm25(version).search(query, k)

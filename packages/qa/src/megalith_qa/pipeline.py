@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Generator as PyGenerator
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from megalith_qa.embedding import Embedder, make_embedder
 from megalith_qa.index import ChunkStore, make_client
 from megalith_qa.ingest import TextSplitter, builtin_documents
 from megalith_qa.knowledge import KnowledgeBase
-from megalith_qa.llm import GenerationRequest, Generator, make_generator
+from megalith_qa.llm import GenerationRequest, GenerationStream, Generator, finish_reason_of, make_generator
 from megalith_qa.memory import ConversationMemory
 from megalith_qa.retrieval import HybridRetriever, RetrievalResult, rewrite_query
 
@@ -36,10 +37,13 @@ class Citation:
 
 @dataclass(frozen=True)
 class Answer:
+    """`finish_reason` is "length" when `max_new_tokens` cut the answer short, else "stop"."""
+
     text: str
     citations: tuple[Citation, ...]
     session_id: str
     query: str
+    finish_reason: str = "stop"
 
 
 def citations_of(hits: tuple[ScoredChunk, ...], snippet_chars: int = 240) -> tuple[Citation, ...]:
@@ -87,24 +91,28 @@ class QAPipeline:
     ) -> Answer:
         sid = session_id or self.new_session_id()
         request, result = self.prepare(question, sid, k, max_new_tokens)
-        text = self.generator.generate(request).strip()
+        pieces = self.generator.stream(request)
+        text = "".join(pieces).strip()
         self.record(sid, question, text)
-        return Answer(text, citations_of(result.hits), sid, result.query)
+        return Answer(text, citations_of(result.hits), sid, result.query, finish_reason_of(pieces))
 
     def stream(
         self, question: str, session_id: str, k: int | None = None, max_new_tokens: int | None = None
     ) -> tuple[tuple[Citation, ...], Iterator[str]]:
-        """Citations now, answer pieces lazily; the turn is recorded when the stream is exhausted."""
+        """Citations now, answer pieces lazily (a `GenerationStream`, whose `finish_reason` is final once it
+        is exhausted); the turn is recorded when the stream is exhausted."""
         request, result = self.prepare(question, session_id, k, max_new_tokens)
 
-        def pieces() -> Iterator[str]:
+        def pieces() -> PyGenerator[str, None, str]:
             parts: list[str] = []
-            for piece in self.generator.stream(request):
+            inner = self.generator.stream(request)
+            for piece in inner:
                 parts.append(piece)
                 yield piece
             self.record(session_id, question, "".join(parts).strip())
+            return finish_reason_of(inner)
 
-        return citations_of(result.hits), pieces()
+        return citations_of(result.hits), GenerationStream(pieces())
 
     def ingest_builtin(self, progress: bool = False) -> list[IngestResult]:
         """Python's documentation topics and the project's READMEs (unchanged ones are skipped)."""

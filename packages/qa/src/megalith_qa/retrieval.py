@@ -86,32 +86,36 @@ class HybridRetriever:
         self._cache: OrderedDict[tuple[str, str, int, int], tuple[ScoredChunk, ...]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def _compute(self, query: str, mode: str, k: int) -> tuple[ScoredChunk, ...]:
+    def _compute(self, query: str, mode: str, k: int, version: int) -> tuple[ScoredChunk, ...]:
         n = max(k, self.config.candidates)
         if mode == "dense":
             return tuple(self.kb.dense_search(query, k))
         if mode == "bm25":
-            return tuple(self.kb.bm25_search(query, k))
+            return tuple(self.kb.bm25_search(query, k, version))
         w = self.config.weights_for(detect_language(query))
         fused = reciprocal_rank_fusion(
-            {"dense": self.kb.dense_search(query, n), "bm25": self.kb.bm25_search(query, n)},
+            {"dense": self.kb.dense_search(query, n), "bm25": self.kb.bm25_search(query, n, version)},
             {"dense": w.dense, "bm25": w.bm25},
             self.config.rrf_k,
         )
         return tuple(fused[:k])
 
     def retrieve(self, query: str, k: int | None = None, mode: str = "hybrid") -> RetrievalResult:
-        """Top-k chunks for `query`; a cached answer is used only if the index version still matches."""
+        """Top-k chunks for `query`; a cached answer is used only if the index version still matches.
+
+        The version is checked against the store on every call (`KnowledgeBase.sync_version`), so writes
+        made by other processes to the same collection invalidate the cache and the BM25 index too.
+        """
         if mode not in MODES:
             raise ConfigError(f"retrieval mode must be one of {MODES}, got {mode!r}")
         k = k or self.config.top_k
-        version = self.kb.version
+        version = self.kb.sync_version()
         key = (mode, query, k, version)
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return RetrievalResult(query, self._cache[key], version, cached=True)
-        hits = self._compute(query, mode, k)
+        hits = self._compute(query, mode, k, version)
         with self._lock:
             self._cache[key] = hits
             while len(self._cache) > self.config.cache_size:

@@ -1,7 +1,7 @@
 """FastAPI application: OpenAI-compatible chat and embeddings, document management, health, web page.
 
-Blocking work (embedding, retrieval, generation, ingestion) runs in the thread pool, never on the
-event loop, so `/healthz` answers while answers are being generated.
+Blocking work (embedding, retrieval, generation, parsing uploads, ingestion) runs in the thread pool,
+never on the event loop, so `/healthz` answers while answers are generated or files are parsed.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from megalith_qa.api_models import (
     Usage,
 )
 from megalith_qa.ingest import UnsafeNameError, UnsupportedTypeError, file_kind, load_bytes, sanitize_filename
+from megalith_qa.llm import finish_reason_of
 from megalith_qa.memory import approx_tokens
 from megalith_qa.pipeline import Citation, QAPipeline
 from megalith_qa.security import GuardMiddleware
@@ -77,7 +78,9 @@ def _sse(payload: dict[str, object]) -> str:
 def _stream_events(
     model: str, cites: tuple[Citation, ...], pieces: Iterator[str], session_id: str
 ) -> Iterator[str]:
-    """OpenAI `chat.completion.chunk` events; the first and last carry the citations, then [DONE]."""
+    """OpenAI `chat.completion.chunk` events; the first and last carry the citations, then [DONE].
+
+    The last event's `finish_reason` is "length" when `max_tokens` cut the answer, else "stop"."""
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     base = {
         "id": cid,
@@ -96,7 +99,8 @@ def _stream_events(
     )
     for piece in pieces:
         yield _sse({**base, "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]})
-    yield _sse({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "citations": cited})
+    reason = finish_reason_of(pieces)
+    yield _sse({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": reason}], "citations": cited})
     yield "data: [DONE]\n\n"
 
 
@@ -148,7 +152,12 @@ def _add_chat_routes(app: FastAPI, pipeline: QAPipeline) -> None:
             id=f"chatcmpl-{uuid.uuid4().hex}",
             created=int(time.time()),
             model=model_name,
-            choices=[Choice(message=AssistantMessage(content=answer.text))],
+            choices=[
+                Choice(
+                    message=AssistantMessage(content=answer.text),
+                    finish_reason="length" if answer.finish_reason == "length" else "stop",
+                )
+            ],
             usage=Usage(
                 prompt_tokens=prompt_tokens,
                 completion_tokens=completion_tokens,
@@ -176,13 +185,14 @@ def _add_document_routes(app: FastAPI, pipeline: QAPipeline, max_bytes: int) -> 
     @app.post("/documents", response_model=IngestOut, status_code=201, tags=["documents"])
     async def upload(file: Annotated[UploadFile, File(description="the file to ingest")]) -> IngestOut:
         """Upload one file (txt, md, html, pdf, csv, json, jsonl). Re-uploading identical bytes is a no-op;
-        changed bytes under the same name replace the old chunks."""
+        changed bytes under the same name replace the old chunks; a file without text is refused (422)
+        and leaves a stored document of that name as it is. The stored name is `sanitize_filename`'s."""
         name = sanitize_filename(file.filename or "")
         file_kind(name)
         data = await file.read(max_bytes + 1)
         if len(data) > max_bytes:
             raise HTTPException(413, f"{name}: larger than the upload limit of {max_bytes} bytes")
-        doc = load_bytes(name, data)
+        doc = await run_in_threadpool(load_bytes, name, data)
         res = await run_in_threadpool(pipeline.kb.ingest, doc)
         return IngestOut(id=res.doc_id, source=res.source, status=res.status, chunks=res.chunks)  # type: ignore[arg-type]
 
