@@ -144,15 +144,23 @@ def test_indivisible_heads_fail_before_weights_move(overrides: dict, tp: int, me
     assert isinstance(model.model.layers[0].self_attn.q_proj, nn.Linear)
 
 
-def _bad_heads(rank: int, world: int) -> bool:
-    model = build("llama", num_attention_heads=8, num_key_value_heads=2)
-    q_before = model.model.layers[0].self_attn.q_proj
-    try:
-        Booster(HybridPlugin(tp_size=4)).boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    except ConfigError as exc:
-        assert "key/value heads = 2" in str(exc) and "tp = 4" in str(exc), str(exc)
-        return model.model.layers[0].self_attn.q_proj is q_before
-    return False
+def _bad_heads(rank: int, world: int) -> list[bool]:
+    """The model's own policy, then its bare plan (no head counts: read from the model's config)."""
+    refused = []
+    for bare in (False, True):
+        model = build("llama", num_attention_heads=8, num_key_value_heads=2)
+        policy = policy_for(model).plan if bare else None
+        q_before = model.model.layers[0].self_attn.q_proj
+        try:
+            Booster(HybridPlugin(tp_size=4, policy=policy)).boost(
+                model, torch.optim.SGD(model.parameters(), lr=0.1)
+            )
+        except ConfigError as exc:
+            assert "key/value heads = 2" in str(exc) and "tp = 4" in str(exc), str(exc)
+            refused.append(model.model.layers[0].self_attn.q_proj is q_before)
+        else:
+            refused.append(False)
+    return refused
 
 
 def _bad_sequence(rank: int, world: int) -> str:
@@ -166,7 +174,7 @@ def _bad_sequence(rank: int, world: int) -> str:
 
 
 def test_bad_input_on_ranks() -> None:
-    assert run_distributed(_bad_heads, 4, timeout_s=60) == [True] * 4
+    assert run_distributed(_bad_heads, 4, timeout_s=60) == [[True, True]] * 4
     messages = run_distributed(_bad_sequence, 4, timeout_s=60)
     assert all("sequence length 10 is not divisible by the sequence-parallel size 4" in m for m in messages)
 
@@ -249,3 +257,58 @@ def test_one_process_hybrid_equals_torch() -> None:
         ref_opt.zero_grad()
     for name, value in state_of(ref).items():
         assert float((dict(model.named_parameters())[name].detach() - value).abs().max()) < 1e-5, name
+
+
+def _frozen(family: str) -> nn.Module:
+    """``family`` with its embedding and LM head frozen (tied for qwen2: one parameter)."""
+    model = build(family)
+    model.get_input_embeddings().weight.requires_grad_(False)
+    model.get_output_embeddings().weight.requires_grad_(False)
+    return model
+
+
+def _train_frozen(
+    family: str, mode: str, tp: int | None
+) -> tuple[dict[str, torch.Tensor], list[float], bool]:
+    """Three clipped steps with the optimizer over ``model.parameters()`` (the usual way to freeze):
+    the weights after them, the gradient norms, whether any vocabulary weight asks for gradients."""
+    model = _frozen(family)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    plugin = HybridPlugin(tp_size=tp, sp_mode=mode) if tp else None
+    booster = Booster(plugin) if plugin else None
+    if booster:
+        model, opt, *_ = booster.boost(model, opt)
+    vocab = [p.requires_grad for n, p in model.named_parameters() if "embed" in n or "lm_head" in n]
+    norms = []
+    for ids in batches():
+        loss = model(input_ids=ids, labels=labels_of(ids)).loss
+        if booster:
+            booster.backward(loss, opt)
+            norms.append(opt.clip_grad_by_norm(0.5))
+        else:
+            loss.backward()
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, 0.5)))
+        opt.step()
+        opt.zero_grad()
+    state = full_state_dict(model, plugin.tp_group) if plugin else state_of(model)
+    return {k: v.clone() for k, v in state.items()}, norms, any(vocab)
+
+
+def frozen_worker(rank: int, world: int) -> dict[str, tuple[dict[str, torch.Tensor], list[float], bool]]:
+    return {
+        f"{f}/{m}": _train_frozen(f, m, world) for f in ("llama", "qwen2") for m in ("none", "split_gather")
+    }
+
+
+def test_frozen_vocabulary_weights_stay_frozen_under_tp() -> None:
+    """A frozen embedding / LM head (untied Llama, tied Qwen2) stays frozen when tensor parallelism
+    shards it: not updated, and not in the clipped gradient norm, as in one process."""
+    results = run_distributed(frozen_worker, 2, timeout_s=240)
+    for key, (state, norms, wants_grad) in results[0].items():
+        ref, ref_norms, _ = _train_frozen(key.split("/")[0], "none", None)
+        assert not wants_grad, f"{key}: a frozen vocabulary weight asks for gradients after boost"
+        assert norms == pytest.approx(ref_norms, rel=1e-5), f"{key}: grad norms {norms} != {ref_norms}"
+        for name, value in ref.items():
+            diff = float((state[name] - value).abs().max())
+            assert diff < 1e-5, f"{key} {name}: max |diff| {diff:.2e}"

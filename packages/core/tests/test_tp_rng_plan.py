@@ -203,3 +203,40 @@ def test_rank_stream_fork_restores_the_default_stream() -> None:
 def test_plan_rejects_kv_heads_below_tp_before_counting() -> None:
     with pytest.raises(ConfigError, match=r"key/value heads = 2 .* tp = 4 .*not replicated"):
         plan(tiny_llama(), HybridPlugin(tp_size=4), world_size=4)
+
+
+def _recompute_with_dropout(rank: int, world: int) -> list[str]:
+    """Gradient checkpointing with attention dropout at tp=2: enabled before boost (refused by the
+    plugin), after it (refused when the backward recomputes), then without dropout (trains)."""
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    errors = []
+    model = dropout_llama()
+    model.gradient_checkpointing_enable()
+    try:
+        Booster(HybridPlugin(tp_size=world)).boost(model)
+    except ConfigError as exc:
+        errors.append(str(exc))
+    model, *_ = Booster(HybridPlugin(tp_size=world)).boost(dropout_llama())
+    model.gradient_checkpointing_enable()
+    try:
+        model(input_ids=ids, labels=ids).loss.backward()
+    except ConfigError as exc:
+        errors.append(str(exc))
+    plain = dropout_llama()
+    plain.config.attention_dropout = 0.0
+    for layer in plain.model.layers:
+        layer.self_attn.attention_dropout = 0.0
+    plain.gradient_checkpointing_enable()
+    plain, *_ = Booster(HybridPlugin(tp_size=world)).boost(plain)
+    plain(input_ids=ids, labels=ids).loss.backward()
+    errors.append(str(all(p.grad is not None for p in plain.parameters())))
+    return errors
+
+
+def test_dropout_with_recomputation_is_refused_under_tp() -> None:
+    """A recomputed module would draw a different dropout mask on its rank stream than its forward:
+    refused with a ConfigError at boost or at the recomputation, never silently wrong gradients."""
+    for at_boost, at_backward, trained in run_distributed(_recompute_with_dropout, 2, timeout_s=120):
+        assert "dropout 0.5 with activation recomputation under tp_size=2" in at_boost
+        assert "self_attn" in at_backward and "recomputed (gradient checkpointing)" in at_backward
+        assert trained == "True"

@@ -34,7 +34,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalith.booster.optim_state import check_optimizer_meta, check_param_numels
+from megalith.booster.optim_state import (
+    check_optimizer_meta,
+    check_param_numels,
+    is_elementwise_state,
+    is_json_hyper,
+    scalar_state,
+)
 from megalith.booster.plugins.base import Plugin, unique_state
 from megalith.checkpoint.atomic import commit, fresh_staging, staging_path
 from megalith.checkpoint.dcp import (
@@ -105,18 +111,6 @@ def model_reader(plugin: Plugin, model: nn.Module, directory: Path) -> DCPModelR
 
 
 # -- optimizer ------------------------------------------------------------------------------------
-def _elementwise(value: Any, master: torch.Tensor) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == master.numel()
-
-
-def _scalar(value: Any) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor) and value.dim() == 0:
-        return value.detach().reshape(1)
-    if isinstance(value, bool | int | float):
-        return torch.tensor([value], dtype=torch.float64)
-    return None
-
-
 def _is_scalar(fqn: str) -> bool:
     return f"{SEP}{SCALAR}" in fqn
 
@@ -128,9 +122,9 @@ def _master_pieces(
     flat = {MASTER: master.detach().view(-1)}
     scalars: dict[str, torch.Tensor] = {}
     for key, value in state.items():
-        if _elementwise(value, master):
+        if is_elementwise_state(value, master):
             flat[key] = value.detach().view(-1)
-        elif (s := _scalar(value)) is not None:
+        elif (s := scalar_state(value)) is not None:
             scalars[key] = s
         else:
             raise CheckpointError(
@@ -178,7 +172,7 @@ def optimizer_pieces(opt: BoostedOptimizer, group: Any = None) -> tuple[list[Fla
     if opt.replicated and world > 1:  # every rank holds everything: split the elementwise pieces
         scalars = [p for p in pieces if _is_scalar(p.fqn)]
         pieces = scalars + split_for_rank([p for p in pieces if not _is_scalar(p.fqn)], rank, world)
-    hyper = [{k: v for k, v in g.items() if k != "params" and _json_scalar(v)} for g in opt.param_groups]
+    hyper = [{k: v for k, v in g.items() if k != "params" and is_json_hyper(v)} for g in opt.param_groups]
     names = opt.group_param_names()  # each group's parameters: a load refuses groups holding others
     meta: dict[str, Any] = {
         "kind": "optimizer",
@@ -188,12 +182,6 @@ def optimizer_pieces(opt: BoostedOptimizer, group: Any = None) -> tuple[list[Fla
     if opt.scaler is not None:
         meta["scaler"] = opt.scaler.state_dict()
     return pieces, meta
-
-
-def _json_scalar(v: Any) -> bool:
-    if isinstance(v, tuple | list):
-        return all(isinstance(x, int | float | bool) for x in v)
-    return v is None or isinstance(v, int | float | bool | str)
 
 
 def _saved_keys(reader: DCPReader) -> dict[str, set[str]]:

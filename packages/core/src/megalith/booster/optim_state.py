@@ -27,11 +27,11 @@ def save_optimizer_state(opt: BoostedOptimizer, directory: Path, rank: int) -> N
     pieces: list[OptimPiece] = []
     for master, refs in opt.owned():
         state = opt.optim.state.get(master, {})
-        flat = {k: v.view(-1) for k, v in state.items() if _is_elementwise(v, master)}
+        flat = {k: v.view(-1) for k, v in state.items() if is_elementwise_state(v, master)}
         flat[MASTER] = master.view(-1)
         # per parameter, as "NAME::#KEY" (1 element): parameters of one group may differ (one that
         # started training later has a smaller Adam step)
-        scalars = {f"{SCALAR}{k}": s for k, v in state.items() if (s := _scalar(v)) is not None}
+        scalars = {f"{SCALAR}{k}": s for k, v in state.items() if (s := scalar_state(v)) is not None}
         for ref in refs:
             n = ref.end - ref.start
             tensors = {k: v[ref.offset : ref.offset + n] for k, v in flat.items()}
@@ -42,13 +42,13 @@ def save_optimizer_state(opt: BoostedOptimizer, directory: Path, rank: int) -> N
         write_meta(directory, _meta(opt))
 
 
-def _is_elementwise(value: Any, master: torch.Tensor) -> bool:
+def is_elementwise_state(value: Any, master: torch.Tensor) -> bool:
     """A state with one value per element (Adam's moments) — also of a 1-element parameter, whose
     moments are 1-D tensors of one element, unlike the 0-dim `step`."""
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == master.numel()
 
 
-def _scalar(value: Any) -> torch.Tensor | None:
+def scalar_state(value: Any) -> torch.Tensor | None:
     """A 0-dim tensor or Python number state (Adam's step) as a 1-element tensor, else None."""
     if isinstance(value, torch.Tensor) and value.dim() == 0:
         return value.detach().reshape(1)
@@ -60,14 +60,14 @@ def _scalar(value: Any) -> torch.Tensor | None:
 def _meta(opt: BoostedOptimizer) -> dict[str, Any]:
     groups = []
     for group, names in zip(opt.param_groups, opt.group_param_names(), strict=True):
-        hyper = {k: v for k, v in group.items() if k != "params" and _json_scalar(v)}
+        hyper = {k: v for k, v in group.items() if k != "params" and is_json_hyper(v)}
         scalars: dict[str, float] = {}
         keys: set[str] = set()
         for m in group["params"]:
             for k, v in opt.optim.state.get(m, {}).items():
-                if _is_elementwise(v, m):
+                if is_elementwise_state(v, m):
                     keys.add(k)
-                elif (s := _scalar(v)) is not None:
+                elif (s := scalar_state(v)) is not None:
                     scalars[k] = float(s.item())  # legacy per-group value (the files hold each one's)
         groups.append({"hyper": hyper, "scalars": scalars, "tensor_keys": sorted(keys), "names": names})
     meta: dict[str, Any] = {"optimizer": type(opt.optim).__name__, "groups": groups}
@@ -76,7 +76,8 @@ def _meta(opt: BoostedOptimizer) -> dict[str, Any]:
     return meta
 
 
-def _json_scalar(v: Any) -> bool:
+def is_json_hyper(v: Any) -> bool:
+    """A param-group hyper-parameter that meta.json can hold (numbers, strings, tuples of numbers)."""
     if isinstance(v, tuple | list):
         return all(isinstance(x, int | float | bool) for x in v)
     return v is None or isinstance(v, int | float | bool | str)

@@ -35,7 +35,12 @@ from megalith.tensor_parallel.comm import (
     split_sequence,
 )
 from megalith.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, ShardSpec, shard_spec
-from megalith.tensor_parallel.rng import TensorParallelRNG, attach_rank_rng, seed_tensor_parallel_rng
+from megalith.tensor_parallel.rng import (
+    TensorParallelRNG,
+    attach_rank_rng,
+    dropout_rate,
+    seed_tensor_parallel_rng,
+)
 from megalith.tensor_parallel.sequence import SEQUENCE_MODES, check_sequence_length, sequence_sharded_lm_loss
 from megalith.tensor_parallel.vocab import (
     VocabParallelEmbedding,
@@ -60,6 +65,7 @@ __all__ = [
     "all_to_all",
     "apply_tensor_parallel",
     "attach_rank_rng",
+    "dropout_rate",
     "causal_lm_loss",
     "check_sequence_length",
     "copy_to_tp",

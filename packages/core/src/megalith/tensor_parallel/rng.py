@@ -23,8 +23,11 @@ wraps those modules with a forward pre-hook (enter) and an always-called forward
 Forks nest (an attention module inside a forked decoder layer stays on the rank stream).
 
 Limits: the rank stream is not part of `booster.save_state` (resume with dropout > 0 under tp is
-statistically, not bitwise, identical), and activation recomputation (gradient checkpointing) of a
-forked module replays a later part of the stream, i.e. a different mask, in the recomputation.
+statistically, not bitwise, identical). Activation recomputation (gradient checkpointing) of a
+forked module would replay a later part of the stream, i.e. a different dropout mask than its
+forward drew, and silently wrong gradients: a forked module with dropout that runs again inside a
+backward (a recomputation) raises `ConfigError` instead (`HybridPlugin` also refuses gradient
+checkpointing enabled before `boost` on such a model).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalith.common.errors import ConfigError
 from megalith.tensor_parallel.comm import Group, group_rank, group_size
 
 RANK_SEED_OFFSET = 2718  # Megatron's model-parallel seed offset
@@ -119,12 +123,38 @@ def seed_tensor_parallel_rng(group: Group, device: torch.device | str = "cpu") -
     return TensorParallelRNG(int(payload[0]) + RANK_SEED_OFFSET + group_rank(group), device)
 
 
+def dropout_rate(module: nn.Module) -> float:
+    """The largest dropout probability in `module`: `nn.Dropout` modules and float attributes
+    named like ``*dropout*`` (HF attention keeps ``attention_dropout`` as a float)."""
+    rates = [m.p for m in module.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
+    rates += [
+        v for m in module.modules() for k, v in vars(m).items() if "dropout" in k and isinstance(v, float)
+    ]
+    return max(rates, default=0.0)
+
+
+def recompute_error(name: str) -> str:
+    return (
+        f"module {name!r} uses dropout on the tensor-parallel rank stream and is recomputed (gradient "
+        "checkpointing): the recomputation would draw a different mask than its forward. Set dropout to "
+        "0 or turn activation recomputation off under tp > 1"
+    )
+
+
 def attach_rank_rng(model: nn.Module, patterns: tuple[str, ...], rng: TensorParallelRNG) -> list[str]:
     """Run the forward of every module whose name matches one of `patterns` on the rank stream;
-    returns the module names."""
+    returns the module names. A module with dropout that runs inside a backward (a recomputation)
+    raises `ConfigError` (see the module doc)."""
     names = [n for n, _ in model.named_modules() if n and any(fnmatchcase(n, p) for p in patterns if p)]
     for name in names:
         module = model.get_submodule(name)
-        module.register_forward_pre_hook(lambda *_: rng.enter(), prepend=True)
+        drops = dropout_rate(module) > 0
+
+        def enter(mod: nn.Module, _args: Any, name: str = name, drops: bool = drops) -> None:
+            rng.enter()  # first, so that the always-called exit below stays paired
+            if drops and mod.training and torch._C._current_graph_task_id() != -1:
+                raise ConfigError(recompute_error(name))
+
+        module.register_forward_pre_hook(enter, prepend=True)
         module.register_forward_hook(lambda *_: rng.exit(), always_call=True)
     return names

@@ -50,7 +50,11 @@ class VocabParallelEmbedding(nn.Module):
         self.group = group
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
         spec = vocab_spec(embedding.weight, group)
-        self.weight = weight if weight is not None else sharded_parameter(embedding.weight, spec)
+        self.weight = (
+            weight
+            if weight is not None
+            else sharded_parameter(embedding.weight, spec, embedding.weight.requires_grad)
+        )
         self.vocab_start = spec.tp_rank * spec.block(self.num_embeddings)
         self.num_local = spec.valid(self.num_embeddings)
         pad = embedding.padding_idx
@@ -87,7 +91,11 @@ class VocabParallelLMHead(nn.Module):
         self.group, self.input_op, self.gather_output = group, input_op, gather_output
         self.in_features, self.out_features = linear.in_features, linear.out_features
         spec = vocab_spec(linear.weight, group)
-        self.weight = weight if weight is not None else sharded_parameter(linear.weight, spec)
+        self.weight = (
+            weight
+            if weight is not None
+            else sharded_parameter(linear.weight, spec, linear.weight.requires_grad)
+        )
         self.vocab_start = spec.tp_rank * spec.block(self.out_features)
         self.num_local = spec.valid(self.out_features)
 

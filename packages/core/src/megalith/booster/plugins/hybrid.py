@@ -23,7 +23,7 @@ import logging
 import math
 from collections.abc import Iterator
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,7 @@ from megalith.tensor_parallel import (
     TensorParallelInfo,
     TensorParallelPlan,
     apply_tensor_parallel,
+    dropout_rate,
     full_model_pieces,
     full_shapes,
     full_state_dict,
@@ -155,9 +156,18 @@ class HybridPlugin(Plugin):
             self.name += f"_pp{self.config.pp_size}_{self.config.pp_schedule}"
 
     def plan_for(self, model: nn.Module) -> TensorParallelPlan:
+        """The plan of `policy` (or the model's registered policy) with the model's head counts; a
+        bare `TensorParallelPlan` gets the counts it leaves out from the standard config names, so
+        the divisibility checks run for it too."""
         policy = self.config.policy
         if isinstance(policy, TensorParallelPlan):
-            return policy
+            counts = Policy("user plan", (), policy).plan_for(model)
+            return replace(
+                policy,
+                num_heads=policy.num_heads if policy.num_heads is not None else counts.num_heads,
+                num_kv_heads=policy.num_kv_heads if policy.num_kv_heads is not None else counts.num_kv_heads,
+                hidden_size=policy.hidden_size if policy.hidden_size is not None else counts.hidden_size,
+            )
         return (policy or policy_for(model)).plan_for(model)
 
     # -- setup ------------------------------------------------------------------------------------
@@ -167,6 +177,16 @@ class HybridPlugin(Plugin):
         dims = ParallelDims(world_size(), tp=self.config.tp_size, pp=self.config.pp_size)
         plan = self.plan_for(model)
         validate_plan(model, plan, dims.tp, self.config.sp_mode)  # before any weight moves
+        recompute = getattr(model, "is_gradient_checkpointing", False) or (
+            dims.pp > 1 and self.config.checkpoint_ratio > 0
+        )
+        if dims.tp > 1 and recompute and (rate := dropout_rate(model)) > 0:
+            raise ConfigError(
+                f"dropout {rate:g} with activation recomputation under tp_size={dims.tp}: a recomputed "
+                "module would draw a different dropout mask on its tensor-parallel rank stream than its "
+                "forward did. Set dropout to 0 or turn recomputation off (checkpoint_ratio=0, no "
+                "gradient_checkpointing_enable())"
+            )
         if optimizer is not None and len(optimizer.state):
             raise ConfigError("HybridPlugin needs a fresh optimizer (its state is re-created for the shards)")
         old_names = named_parameter_map(model)
