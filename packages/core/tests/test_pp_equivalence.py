@@ -214,6 +214,28 @@ def test_bad_pipeline_configs_raise_config_error() -> None:
         HybridPlugin(pp_size=2, pp_schedule="zigzag")
 
 
+def _odd_sequence(rank: int, world: int) -> str:
+    """tp2×pp2 with Megatron-SP, a sequence of 7 tokens (tp 2 does not divide it)."""
+    model = _llama()
+    plugin = HybridPlugin(tp_size=2, pp_size=2, sp_mode="split_gather", num_microbatches=2)
+    booster = Booster(plugin)
+    model, opt, *_ = booster.boost(model, _optimizer(model))
+    try:
+        booster.execute_pipeline(iter([{"input_ids": torch.zeros(2, 7, dtype=torch.long)}]), model, None, opt)
+    except ConfigError as exc:
+        return str(exc)
+    return ""
+
+
+def test_indivisible_sequence_refused_on_every_pipeline_rank() -> None:
+    """Every rank refuses the length before any stage communicates (not only the first stage's
+    ranks, which would leave the others waiting on a send that never comes)."""
+    messages = run_distributed(_odd_sequence, 4, timeout_s=60)
+    assert all("sequence length 7 is not divisible by the sequence-parallel size 2" in m for m in messages), (
+        messages
+    )
+
+
 def test_layers_balanced_by_parameter_count() -> None:
     # a heavy first layer: {4} | {1, 1, 1, 1} has the smallest largest stage (4)
     assert balance_layers([4, 1, 1, 1, 1], 2) == [1, 4]

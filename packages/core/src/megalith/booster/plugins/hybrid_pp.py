@@ -16,7 +16,7 @@ what another wrote: the HF export streams each full tensor from the pp rank that
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ from megalith.pipeline.executor import Criterion
 from megalith.pipeline.stage import is_hf_decoder
 from megalith.tensor_parallel import (
     TensorParallelInfo,
+    check_sequence_length,
     full_state_dict,
     gather_optimizer_pieces,
     load_full_pieces,
@@ -292,16 +293,29 @@ def execute_pipeline(
     state: PipelineState | None = plugin.pipeline
     if state is None:
         raise ConfigError("execute_pipeline needs HybridPlugin(pp_size > 1) and a boosted model")
+    batch = next(data_iter)
+    _check_sequence(plugin, batch)
     if not torch.is_grad_enabled():  # evaluation: forward only (ColossalAI's rule under no_grad)
-        loss = state.engine.forward_only(next(data_iter), criterion or default_criterion(model))
+        loss = state.engine.forward_only(batch, criterion or default_criterion(model))
         return {"loss": loss if return_loss else None, "outputs": None}
     scale = optimizer.scaler.scale if optimizer is not None and optimizer.scaler is not None else 1.0
     if optimizer is not None:
         optimizer._before_backward()
-    loss = state.engine.step(next(data_iter), criterion or default_criterion(model), scale)
+    loss = state.engine.step(batch, criterion or default_criterion(model), scale)
     if optimizer is not None and optimizer.sync_gradients:
         optimizer._finish_backward()
     return {"loss": loss if return_loss else None, "outputs": None}
+
+
+def _check_sequence(plugin: Any, batch: Any) -> None:
+    """Sequence parallelism: a length the tp size does not divide is refused on every rank before
+    any stage communicates (the first stage's own check would leave the others waiting)."""
+    cfg = plugin.config
+    if cfg.sp_mode == "none" or cfg.tp_size == 1:
+        return
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else batch
+    if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
+        check_sequence_length(ids.shape[1], cfg.tp_size)
 
 
 # -- checkpoints --------------------------------------------------------------------------------------
