@@ -9,6 +9,7 @@ Each test runs both backends: "triton" (when importable) and the "torch" fallbac
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -347,3 +348,153 @@ def test_fused_adamw_matches_torch_adamw(backend, weight_decay, multi_tensor, mo
     assert batched == ([2] * 3 if multi_tensor and backend == "triton" else [])
     with pytest.raises(ConfigError, match="betas"):
         FusedAdamW(ours, betas=(0.9, 1.5))
+
+
+def test_fused_adamw_refuses_unsupported_group_options_by_name():
+    """amsgrad / maximize / differentiable are not implemented: refused wherever a group comes from
+    (constructor group, add_param_group, a torch AdamW state dict), never silently ignored."""
+    p = torch.nn.Parameter(torch.randn(3))
+    for key in ("amsgrad", "maximize", "differentiable"):
+        with pytest.raises(ConfigError, match=f"param group 0: {key}=True"):
+            FusedAdamW([{"params": [p], key: True}])
+        opt = FusedAdamW([p])
+        with pytest.raises(ConfigError, match=f"param group 1: {key}=True"):
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2))], key: True})
+        assert len(opt.param_groups) == 1
+        q = torch.nn.Parameter(torch.randn(3))
+        saved = torch.optim.AdamW([q], **{key: True}).state_dict()
+        with pytest.raises(ConfigError, match=f"loaded param group 0: {key}=True"):
+            opt.load_state_dict(saved)
+        assert not opt.param_groups[0].get(key)  # the refused state left the optimizer as it was
+    # torch.optim.Adam's L2 penalty (not decoupled) with weight decay is a different update
+    adam = torch.optim.Adam([torch.nn.Parameter(torch.randn(3))], weight_decay=0.1).state_dict()
+    with pytest.raises(ConfigError, match="weight_decay=0.1"):
+        FusedAdamW([p]).load_state_dict(adam)
+
+
+@pytest.mark.parametrize(
+    ("group", "named"),
+    [
+        ({"lr": -1.0}, r"lr=-1\.0"),
+        ({"lr": float("nan")}, "lr=nan"),
+        ({"eps": -1e-08}, "eps=-1e-08"),
+        ({"weight_decay": -0.5}, r"weight_decay=-0\.5"),
+        ({"betas": (0.9, 1.0)}, r"betas=\(0\.9, 1\.0\)"),
+        ({"betas": (-0.1, 0.9)}, r"betas=\(-0\.1, 0\.9\)"),
+        ({"betas": (0.9,)}, r"betas=\(0\.9,\)"),
+    ],
+)
+def test_fused_adamw_checks_every_group_like_torch(group, named):
+    """torch.optim.AdamW's bounds, as ConfigError naming the value, for the defaults, each group
+    given to the constructor or add_param_group, and each group of a loaded state dict."""
+    p = torch.nn.Parameter(torch.randn(3))
+    if "betas" not in group or len(group["betas"]) == 2:
+        with pytest.raises(ConfigError, match=named):
+            FusedAdamW([p], **group)
+    with pytest.raises(ConfigError, match="param group 0: " + named):
+        FusedAdamW([{"params": [p], **group}])
+    opt = FusedAdamW([p])
+    with pytest.raises(ConfigError, match="param group 1: " + named):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2))], **group})
+    saved = opt.state_dict()
+    saved["param_groups"][0].update(group)
+    with pytest.raises(ConfigError, match="loaded param group 0: " + named):
+        opt.load_state_dict(saved)
+
+
+def test_fused_adamw_continues_a_torch_adamw_state_dict(backend):
+    """A torch.optim.AdamW state dict (amsgrad/maximize False, decoupled) loads and the next steps
+    equal torch's within fp32 rounding."""
+    torch.manual_seed(0)
+    ref = torch.nn.Parameter(torch.randn(4, 3, device=DEVICE))
+    ours = torch.nn.Parameter(ref.detach().clone())
+    torch_opt = torch.optim.AdamW([ref], lr=0.1, weight_decay=0.05)
+    ref.grad = torch.randn_like(ref)
+    torch_opt.step()
+    ours.data.copy_(ref.data)
+    opt = FusedAdamW([ours], lr=0.5)
+    opt.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+    assert opt.param_groups[0]["lr"] == 0.1
+    for _ in range(3):
+        ref.grad = torch.randn_like(ref)
+        ours.grad = ref.grad.clone()
+        torch_opt.step()
+        opt.step()
+    _close(ours, ref, 1e-6, "param")
+
+
+# -- strided operands and label bounds ---------------------------------------------------------------
+def test_strided_rms_weight_and_labels_match_contiguous(backend):
+    """The Triton kernels index the RMSNorm weight and the labels with unit stride: strided views
+    (a column of a matrix, every other label) give the reference result and gradients."""
+    torch.manual_seed(1)
+    x = _leaf(3, 8)
+    w_big = _leaf(8, 2)
+    y = rms_norm(x, w_big[:, 0])
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    xr, wr = _twin(x), _twin(w_big)
+    (xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + 1e-6) * wr[:, 0]).backward(dy.float())
+    _close(y, xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + 1e-6) * wr[:, 0], TOL[0], "y")
+    _close(x.grad, xr.grad, TOL[1], "dx")
+    _close(w_big.grad, wr.grad, TOL[1], "dw")  # column 1 gets zeros
+
+    h, w = _leaf(6, 4), _leaf(9, 4, scale=0.5)
+    labels = torch.tensor([3, 0, 8, 1, 8, 2, -100, 5, 4, 7, 0, 6], device=DEVICE)[::2]
+    assert not labels.is_contiguous()
+    loss = fused_linear_cross_entropy(h, w, labels)
+    loss.backward()
+    hr, wr = _twin(h), _twin(w)
+    ref = F.cross_entropy(hr @ wr.t(), labels)
+    ref.backward()
+    _close(loss, ref, TOL[1], "loss")
+    _close(h.grad, hr.grad, TOL[1], "dh")
+    _close(w.grad, wr.grad, TOL[1], "dw")
+
+
+@pytest.mark.parametrize(("bad", "ignore_index"), [(9, -100), (-5, -100), (-100, 0), (12, 12 - 1)])
+def test_fused_linear_cross_entropy_refuses_labels_outside_the_vocab(backend, bad, ignore_index):
+    """CPU: a ConfigError naming the label and its position, on both backends (the Triton kernel
+    would read outside the row). On a GPU the check is a device-side assert (no host sync)."""
+    h, w = torch.randn(5, 4), torch.randn(9, 4)
+    labels = torch.tensor([1, 2, ignore_index, bad, 8])
+    with pytest.raises(
+        ConfigError, match=rf"label {bad} at position 3 .*\[0, 9\).*ignore_index={ignore_index}"
+    ):
+        fused_linear_cross_entropy(h, w, labels, ignore_index=ignore_index)
+    labels[3] = ignore_index  # the same batch with the label ignored runs
+    fused_linear_cross_entropy(h, w, labels, ignore_index=ignore_index)
+
+
+# -- autocast ----------------------------------------------------------------------------------------
+def test_swiglu_mlp_and_fused_ce_under_autocast_match_torch_autocast(backend):
+    """Under torch.autocast (bf16; CPU autocast here, CUDA on a GPU) with fp32 parameters, as in HF
+    mixed-precision training: swiglu_mlp equals three F.linear and fused CE equals F.cross_entropy
+    of the upcast F.linear logits (HF's loss), outputs, loss and gradients within bf16 tolerance;
+    outputs in the autocast dtype, gradients in fp32 like the parameters."""
+    torch.manual_seed(2)
+    tokens, hidden, inter, vocab = 12, 16, 24, 40
+    leaves = [torch.randn(*s, device=DEVICE).requires_grad_() for s in ((tokens, hidden),)]
+    x = leaves[0]
+    wg, wu, wd = (torch.randn(*s, device=DEVICE).mul_(0.3).requires_grad_() for s in
+                  ((inter, hidden), (inter, hidden), (hidden, inter)))  # fmt: skip
+    head = torch.randn(vocab, hidden, device=DEVICE).mul_(0.3).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), device=DEVICE)
+    labels[::4] = -100
+    ref = [t.detach().clone().requires_grad_() for t in (x, wg, wu, wd, head)]
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        y = swiglu_mlp(x, wg, wu, wd)
+        loss = fused_linear_cross_entropy(y.float(), head, labels)
+        xr, wgr, wur, wdr, headr = ref
+        yr = F.linear(F.silu(F.linear(xr, wgr)) * F.linear(xr, wur), wdr)
+        loss_r = F.cross_entropy(F.linear(yr.float(), headr).float(), labels)
+    assert y.dtype == yr.dtype == torch.bfloat16 and loss.dtype == torch.float32
+    (loss + y.float().pow(2).mean()).backward()
+    (loss_r + yr.float().pow(2).mean()).backward()
+    _close(y, yr, 2e-2, "y")  # bf16 tolerance (module docstring); observed ≤ 1 bf16 ulp
+    _close(loss, loss_r, 2e-2, "loss")
+    for got, want, name in zip(
+        (x, wg, wu, wd, head), ref, ("dx", "dgate", "dup", "ddown", "dhead"), strict=True
+    ):
+        assert got.grad.dtype == torch.float32, name
+        _close(got.grad, want.grad, 2e-2, name)

@@ -234,3 +234,77 @@ def test_kernel_functions_trace_without_graph_breaks():
     compiled.backward()
     assert abs(compiled.item() - eager.item()) <= LOSS_TOL
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_kernels_under_autocast_match_hf_autocast(monkeypatch):
+    """HF mixed-precision training (fp32 parameters, bf16 torch.autocast; CPU autocast here): the
+    kernel-patched model runs and its loss and every gradient match the plain model's under the
+    same autocast within bf16 tolerance (2e-2 relative loss, 5e-2 of each gradient's max)."""
+    monkeypatch.setenv("MEGALITH_KERNELS", "auto" if GPU else "torch")
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(LlamaConfig(**SMALL)).to(DEVICE)
+    fused = copy.deepcopy(ref)
+    apply_kernels(fused)
+    results = []
+    for model in (ref, fused):
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            ids, labels = _batch()
+            out = model(input_ids=ids, labels=labels)
+        out.loss.backward()
+        results.append((out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (loss_ref, grads_ref), (loss, grads) = results
+    assert loss.dtype == loss_ref.dtype == torch.float32
+    assert abs(loss.item() - loss_ref.item()) <= 2e-2 * max(1.0, abs(loss_ref.item()))
+    for name, g in grads.items():
+        assert g.dtype == torch.float32, name
+        err = (g - grads_ref[name]).abs().max().item()
+        assert err <= 5e-2 * max(1.0, grads_ref[name].abs().max().item()), f"{name}: {err}"
+
+
+def test_kernel_functions_trace_under_autocast():
+    """The autocast casts in `swiglu_mlp` / `fused_linear_cross_entropy` trace with
+    `torch.compile(fullgraph=True)` (aot_eager) and give the eager result."""
+    from megalith.kernels import fused_linear_cross_entropy, swiglu_mlp
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 8, device=DEVICE, requires_grad=True)
+    wg, wu = (torch.randn(12, 8, device=DEVICE, requires_grad=True) for _ in range(2))
+    wd = torch.randn(8, 12, device=DEVICE, requires_grad=True)
+    head = torch.randn(10, 8, device=DEVICE, requires_grad=True)
+    labels = torch.tensor([1, 2, 3, -100, 5, 6], device=DEVICE)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            return fused_linear_cross_entropy(swiglu_mlp(x, wg, wu, wd).float(), head, labels)
+
+    eager = step(x)
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(x)
+    compiled.backward()
+    assert compiled.dtype == torch.float32
+    assert abs(compiled.item() - eager.item()) <= 1e-6 * max(1.0, abs(eager.item()))
+    assert x.grad is not None and x.grad.dtype == torch.float32 and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("how", ["argument", "config"])
+def test_return_dict_false_gives_hf_tuple_with_the_loss_first(how, monkeypatch):
+    """`return_dict=False` with labels: a tuple like HF's, the fused loss first (equal to HF's), the
+    cache next, the logits (None) left out. `config.return_dict = False` gives the same tuple (the
+    base model is always asked for its output object; HF 5.24's own forward fails that way)."""
+    monkeypatch.setenv("MEGALITH_KERNELS", "torch")
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(LlamaConfig(**SMALL))
+    fused = copy.deepcopy(ref)
+    apply_kernels(fused)
+    ids, labels = (t.cpu() for t in _batch())
+    want = ref(input_ids=ids, labels=labels, return_dict=False)
+    assert isinstance(want, tuple)
+    if how == "argument":
+        got = fused(input_ids=ids, labels=labels, return_dict=False)
+    else:
+        fused.config.return_dict = False
+        got = fused(input_ids=ids, labels=labels)
+    assert isinstance(got, tuple) and len(got) == len(want) - 1  # no logits
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    assert type(got[1]) is type(want[2])  # the KV cache
+    got[0].backward()
+    assert fused.lm_head.weight.grad is not None

@@ -39,9 +39,42 @@ def adamw_step(
         _torch_adamw(p, g, m, v, hyper, step)
 
 
+_UNSUPPORTED = ("amsgrad", "maximize", "differentiable")
+
+
+def check_group(group: dict[str, Any], where: str) -> None:
+    """torch.optim.AdamW's checks of one param group's settings (lr, eps, weight_decay >= 0, both
+    betas in [0, 1)), and refuse what this optimizer does not implement (amsgrad, maximize,
+    differentiable set; L2 instead of decoupled weight decay, as a `torch.optim.Adam` state dict
+    with weight decay asks): a ConfigError naming the value, prefixed with `where`."""
+    for key in _UNSUPPORTED:
+        if group.get(key):
+            raise ConfigError(
+                f"FusedAdamW: {where}{key}={group[key]!r} is not supported (torch.optim.AdamW is)"
+            )
+    if group.get("decoupled_weight_decay") is False and group.get("weight_decay"):
+        raise ConfigError(
+            f"FusedAdamW: {where}decoupled_weight_decay=False (Adam's L2 penalty) with "
+            f"weight_decay={group['weight_decay']} is not supported: FusedAdamW decays decoupled"
+        )
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ConfigError(
+            f"FusedAdamW: {where}a tensor lr must have one element, got shape {tuple(lr.shape)}"
+        )
+    for key in ("lr", "eps", "weight_decay"):
+        if not group[key] >= 0.0:  # NaN fails too
+            raise ConfigError(f"FusedAdamW: {where}{key}={group[key]} must be >= 0")
+    betas = group["betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
+        raise ConfigError(f"FusedAdamW: {where}betas={betas} must be two values in [0, 1)")
+
+
 class FusedAdamW(torch.optim.Optimizer):
-    """Drop-in for `torch.optim.AdamW` (same state keys: step, exp_avg, exp_avg_sq; amsgrad,
-    maximize and sparse gradients are not supported).
+    """Drop-in for `torch.optim.AdamW` (same state keys: step, exp_avg, exp_avg_sq). amsgrad,
+    maximize, differentiable and sparse gradients are not supported: a group that asks for one
+    (keyword, `add_param_group` or a loaded state dict) is refused with a ConfigError, see
+    `check_group`.
 
     `multi_tensor=True` (opt-in, Triton backend) updates the aligned contiguous tensors of a group
     in one launch over a table of addresses instead of one launch per tensor. Its kernel compiles
@@ -58,12 +91,23 @@ class FusedAdamW(torch.optim.Optimizer):
         weight_decay: float = 1e-2,
         multi_tensor: bool = False,
     ) -> None:
-        if lr < 0 or eps < 0 or weight_decay < 0:
-            raise ConfigError(f"FusedAdamW: lr={lr}, eps={eps}, weight_decay={weight_decay} must be >= 0")
-        if not all(0.0 <= b < 1.0 for b in betas):
-            raise ConfigError(f"FusedAdamW: betas {betas} must lie in [0, 1)")
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        check_group(defaults, "")
+        super().__init__(params, defaults)  # checks every group through add_param_group
         self.multi_tensor = multi_tensor
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's `add_param_group`, after `check_group` of the group with the defaults filled in."""
+        if isinstance(param_group, dict):
+            check_group({**self.defaults, **param_group}, f"param group {len(self.param_groups)}: ")
+        super().add_param_group(param_group)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's `load_state_dict` (a `torch.optim.AdamW` state dict loads as is), after
+        `check_group` of every saved group: they replace the current groups' settings."""
+        for i, group in enumerate(state_dict.get("param_groups", ())):
+            check_group({**self.defaults, **group}, f"loaded param group {i}: ")
+        super().load_state_dict(state_dict)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from megalith.common.errors import ConfigError
 from megalith.kernels import ops_torch, ops_triton  # noqa: F401  (registers both backends)
 from megalith.kernels.registry import get_kernel
 
@@ -106,6 +107,30 @@ def chunk_rows(tokens: int, vocab: int, hidden: int) -> int:
     return max(1, min(tokens, 1 << (rows.bit_length() - 1)))
 
 
+def check_labels(labels: Tensor, valid: Tensor, vocab: int, ignore_index: int) -> None:
+    """Every label is in [0, vocab) or equals `ignore_index` (`valid` = labels != ignore_index);
+    the CE kernels would otherwise read outside the row's logits (the torch fallback raises an
+    index error, the Triton kernel reads whatever lies there).
+
+    On CPU: a host check, ConfigError naming the label (CPU tensors cost no sync). On an
+    accelerator: `torch._assert_async`, a device-side assert queued behind the loss, the way torch's
+    own CUDA cross-entropy fails on such a label: a host check (`.any()` read back) would sync every
+    step and drain the launch queue the step's host keeps ahead of the GPU, for a few small kernels
+    of cost here instead."""
+    bad = valid & ((labels < 0) | (labels >= vocab))
+    if labels.device.type != "cpu":
+        torch._assert_async(
+            ~bad.any(),
+            f"fused_linear_cross_entropy: a label is outside [0, {vocab}) and is not ignore_index={ignore_index}",
+        )
+    elif bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ConfigError(
+            f"fused_linear_cross_entropy: label {int(labels[i])} at position {i} is outside "
+            f"[0, {vocab}) and is not ignore_index={ignore_index}"
+        )
+
+
 @_op
 def fused_linear_ce(
     h: Tensor, w: Tensor, labels: Tensor, ignore_index: int, mean: bool, with_grad: bool
@@ -114,8 +139,10 @@ def fused_linear_ce(
     of rows; the chunk's logits [c, V] are overwritten with dloss/dlogits and turned into
     dh [T, H] and dW [V, H] (accumulated in fp32) right away, so [T, V] never exists."""
     t, _ = h.shape
-    valid = (labels != ignore_index).sum()
-    scale = (1.0 / valid.clamp(min=1).float()) if mean else torch.ones((), device=h.device)
+    valid = labels != ignore_index
+    check_labels(labels, valid, w.shape[0], ignore_index)
+    count = valid.sum()
+    scale = (1.0 / count.clamp(min=1).float()) if mean else torch.ones((), device=h.device)
     scale = scale.reshape(1).to(torch.float32)
     dh = torch.empty_like(h) if with_grad else h.new_empty(0)
     dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if with_grad else w.new_empty(0)

@@ -16,6 +16,14 @@ from megalith.common.errors import ConfigError
 from megalith.kernels import custom_ops as ops
 
 
+def _autocast_dtype(t: Tensor) -> torch.dtype | None:
+    """The dtype `torch.autocast` runs a matmul of `t` in (None outside an autocast region)."""
+    device = t.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return None
+
+
 def _rows(x: Tensor, n: int) -> Tensor:
     """x as a [M, n] matrix whose rows are unit-stride (a view when possible)."""
     x2 = x.reshape(-1, n)
@@ -41,7 +49,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     """y = x / √(mean(x², last dim) + eps) · weight (Zhang & Sennrich 2019), fp32 statistics."""
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ConfigError(f"rms_norm: weight shape {tuple(weight.shape)} does not match x {tuple(x.shape)}")
-    return _RMSNorm.apply(x, weight, eps)
+    # the Triton kernels index w with unit stride; contiguous() is the same tensor when it already is
+    return _RMSNorm.apply(x, weight.contiguous(), eps)
 
 
 class _Rotary(torch.autograd.Function):
@@ -132,7 +141,14 @@ def swiglu_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tenso
             f"swiglu_mlp: x {tuple(x.shape)}, gate {tuple(w_gate.shape)}, up {tuple(w_up.shape)}, "
             f"down {tuple(w_down.shape)} do not fit [..., H], [I, H], [I, H], [H, I]"
         )
-    return _SwiGLUMLP.apply(x, w_gate, w_up, w_down)
+    cast = _autocast_dtype(x)
+    if cast is None:
+        return _SwiGLUMLP.apply(x, w_gate, w_up, w_down)
+    # Under torch.autocast HF's three nn.Linear run in the autocast dtype, x and the weights cast per
+    # call (the casts' backward returns the gradients in the parameters' dtype). The Function gets
+    # the same operands, all of one dtype, so its forward and backward matmuls never mix dtypes.
+    with torch.autocast(x.device.type, enabled=False):
+        return _SwiGLUMLP.apply(*(t.to(cast) for t in (x, w_gate, w_up, w_down)))
 
 
 class _FusedLinearCE(torch.autograd.Function):
@@ -156,7 +172,11 @@ def fused_linear_cross_entropy(
 ) -> Tensor:
     """CE(hidden Wᵀ, labels) without materialising the [T, V] logits: the forward computes the loss
     and the gradients of hidden and W chunk by chunk of rows (stored for backward, as Liger-Kernel
-    does); `mean` averages over non-ignored tokens, `sum` sums. bf16 inputs, fp32 accumulation."""
+    does); `mean` averages over non-ignored tokens, `sum` sums. bf16 inputs, fp32 accumulation.
+
+    Labels must lie in [0, V) or equal `ignore_index` (see `custom_ops.check_labels`). Under
+    `torch.autocast` hidden and W are cast to the autocast dtype first, as HF's LM head
+    (`nn.Linear`) is; the loss is fp32 either way (HF upcasts the logits for its loss)."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ConfigError(
             f"fused_linear_cross_entropy: hidden {tuple(hidden.shape)} must be [T, H] and weight "
@@ -166,10 +186,17 @@ def fused_linear_cross_entropy(
         raise ConfigError(
             f"fused_linear_cross_entropy: labels {tuple(labels.shape)} must be [{hidden.shape[0]}]"
         )
+    cast = _autocast_dtype(hidden)
+    if cast is not None:
+        hidden, weight = hidden.to(cast), weight.to(cast)
     if hidden.dtype != weight.dtype:
         raise ConfigError(
             f"fused_linear_cross_entropy: hidden {hidden.dtype} and weight {weight.dtype} differ"
         )
     if reduction not in ("mean", "sum"):
         raise ConfigError(f"fused_linear_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
-    return _FusedLinearCE.apply(hidden, weight, labels, ignore_index, reduction == "mean")
+    labels = labels.contiguous()  # the Triton kernel reads one label per row with unit stride
+    if cast is None:
+        return _FusedLinearCE.apply(hidden, weight, labels, ignore_index, reduction == "mean")
+    with torch.autocast(hidden.device.type, enabled=False):  # the chunks' matmuls keep `cast`
+        return _FusedLinearCE.apply(hidden, weight, labels, ignore_index, reduction == "mean")

@@ -39,6 +39,7 @@ def _rows_per_tile(block: int) -> int:
 def rms_norm_fwd(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     tl_ = _tl()
     m, n = x.shape
+    w = w.contiguous()  # the kernel reads w with unit stride
     y = torch.empty_like(x)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     block = tl_.block_for(n)
@@ -57,6 +58,7 @@ def rms_norm_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     tl_ = _tl()
     m, n = x.shape
+    w = w.contiguous()  # the kernel reads w with unit stride
     dx = torch.empty_like(x)
     block = tl_.block_for(n)
     # 4-row tiles, 2 programs per SM up to 2k columns and 1 beyond: the best of a sweep on an H200
@@ -142,6 +144,7 @@ def ce_rows(
 ) -> torch.Tensor:
     tl_ = _tl()
     c, v = logits.shape
+    labels = labels.contiguous()  # one label per row, read with unit stride
     loss = torch.empty(c, dtype=torch.float32, device=logits.device)
     block = tl_.block_for(v, cap=4096 if not interpret_mode() else 256)
     if c:

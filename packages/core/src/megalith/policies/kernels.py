@@ -11,7 +11,8 @@ What `apply_kernels(model)` patches (all undone by `remove_kernels(model)`):
   and v as one matmul over the concatenated weights (``"qkv"``, plain ``nn.Linear`` projections
   only); per module, so other models of the family in the process keep HF's code;
 - the CausalLM's instance ``forward``: when ``labels`` are given, the LM head and the shifted
-  cross-entropy run as `fused_linear_cross_entropy` and the output has ``logits=None``; without
+  cross-entropy run as `fused_linear_cross_entropy` and the output has ``logits=None`` (with
+  ``return_dict=False``, HF's tuple without the logits: ``(loss, past_key_values, ...)``); without
   labels the class forward runs unchanged.
 """
 
@@ -80,8 +81,13 @@ def _causal_lm_forward(self: Any, *args: Any, labels: torch.Tensor | None = None
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     kwargs.pop("logits_to_keep", None)
+    # HF's `can_return_tuple`: return_dict=False (passed, or the config's) gives `.to_tuple()`, the
+    # loss first and the None logits left out; the base model is asked for its output object.
+    return_dict = kwargs.pop("return_dict", None)
+    if return_dict is None:
+        return_dict = getattr(self.config, "return_dict", True)
     num_items = kwargs.get("num_items_in_batch")
-    out = self.model(*args, **kwargs)
+    out = self.model(*args, return_dict=True, **kwargs)
     hidden = out.last_hidden_state
     shifted = kwargs.get("shift_labels")
     if shifted is None:
@@ -96,13 +102,14 @@ def _causal_lm_forward(self: Any, *args: Any, labels: torch.Tensor | None = None
     )
     if num_items is not None:
         loss = loss / num_items
-    return CausalLMOutputWithPast(  # type: ignore[call-arg]
+    result = CausalLMOutputWithPast(  # type: ignore[call-arg]
         loss=loss,
         logits=None,
         past_key_values=out.past_key_values,
         hidden_states=out.hidden_states,
         attentions=out.attentions,
     )
+    return result if return_dict else result.to_tuple()
 
 
 def _swap_modules(model: nn.Module, family: str, patch: KernelPatch, chosen: frozenset[str]) -> None:
