@@ -35,6 +35,7 @@ trainer. Not thread-safe: one ``generate`` at a time.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -120,8 +121,12 @@ class FastEngineConfig:
 
 @dataclass(frozen=True)
 class EngineOutput:
-    """``tokens``/``logprobs`` ``[B, R]`` on the CPU (``R`` = decode steps run, ``<= max_new_tokens``);
-    after a row finished (EOS or a stop the hook reported) its tokens are ``pad_id``, log-probs 0."""
+    """``tokens``/``logprobs`` ``[B, R]`` on the CPU (``R`` = decode steps run, ``<= max_new_tokens``).
+
+    After a row's first EOS its tokens are ``pad_id`` and its log-probs 0. A row the ``on_sync``
+    hook finished keeps the tokens it sampled up to the host sync that reported it (the hook knows
+    where its stop string ended, e.g. :attr:`.fast_rollout.StopStrings.ends`) and is padded after
+    that sync."""
 
     tokens: torch.Tensor
     logprobs: torch.Tensor
@@ -137,8 +142,9 @@ class FastEngine:
         default = "bfloat16" if cuda else "float32"
         self.dtype = DTYPES[self.config.dtype or default]
         base = unwrap_peft(model)
-        self.shape = ModelShape.of(base)
-        self._rotary = base.model.rotary_emb
+        self.shape = ModelShape.of(base, self.config.max_len)
+        # a copy: computing the tables must not change the training model's module state
+        self._rotary = copy.deepcopy(base.model.rotary_emb)
         self.weights = EngineWeights(self.shape, self.device, self.dtype)
         self.update_weights(model)
         self.use_graphs = cuda and self.config.cuda_graphs
@@ -187,6 +193,7 @@ class FastEngine:
         """
         if max_batch <= self.max_batch and max_len <= self.max_len:
             return
+        self.shape.check_len(max(max_len, self.max_len))
         s, kw = self.shape, {"device": self.device, "dtype": self.dtype}
         self.max_batch, self.max_len = max(max_batch, self.max_batch), max(max_len, self.max_len)
         self._graphs.clear()
@@ -379,7 +386,26 @@ class FastEngine:
         return min(1 << (batch - 1).bit_length(), self.max_batch)
 
     # ---------------------------------------------------------------- generate
-    def _check(self, batch: int, width: int, params: SamplingParams) -> None:
+    def _check(
+        self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams, on_sync: SyncHook | None
+    ) -> None:
+        """Refuse bad ``generate`` input with a :class:`ConfigError` naming the value."""
+        if ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
+            raise ConfigError(
+                f"prompt_ids must be 2-D [batch >= 1, width >= 1], got shape {tuple(ids.shape)}"
+            )
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise ConfigError(f"prompt_ids must hold integer token ids, got dtype {ids.dtype}")
+        if tuple(mask.shape) != tuple(ids.shape):
+            raise ConfigError(
+                f"prompt_mask must have prompt_ids' shape {tuple(ids.shape)}, got {tuple(mask.shape)}"
+            )
+        if params.stop and on_sync is None:
+            raise ConfigError(
+                f"SamplingParams.stop={params.stop!r} needs an on_sync hook: the engine holds no tokenizer, "
+                "so stop strings are matched by the caller (fast_rollout.StopStrings; FastGenerator does it)"
+            )
+        batch, width = ids.shape
         if batch > self.max_batch:
             raise ConfigError(f"batch of {batch} rows exceeds the engine's max_batch {self.max_batch}")
         need = width + params.max_new_tokens
@@ -404,14 +430,17 @@ class FastEngine:
 
         ``generator`` (on the engine's device) drives the sampling noise. ``on_sync(tokens [B, n])``
         (CPU tokens so far) is called every ``sync_every`` steps and returns rows to finish (stop
-        strings); rows also finish at any of ``eos_ids``; all finished ends the loop early.
+        strings); rows also finish at any of ``eos_ids``; all finished ends the loop early. The
+        engine has no tokenizer: a non-empty ``params.stop`` needs an ``on_sync`` hook that matches
+        it (:class:`.fast_rollout.StopStrings`, as :class:`.fast_rollout.FastGenerator` passes) and
+        is refused without one.
         ``group``: the rows come in runs of ``group`` identical prompts (GRPO's samples of one
         prompt; checked); with the Triton attention and ``share_prompts`` (see the module doc for
         when by default), each run's prompt is prefilled once and its cache slots are read once per
         decode step for the whole run.
         """
+        self._check(prompt_ids, prompt_mask, params, on_sync)
         batch, width = prompt_ids.shape
-        self._check(batch, width, params)
         b = self.bucket(batch)
         members = self._members(prompt_ids, prompt_mask, group, b)
         st = self.state

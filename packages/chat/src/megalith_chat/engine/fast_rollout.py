@@ -47,6 +47,7 @@ class StopStrings:
         return str(self.tokenizer.decode(row, skip_special_tokens=True))
 
     def _hit(self, text: str, since: int) -> bool:
+        """Whether ``text`` holds a stop string that ends at character ``since`` or later."""
         tail = text[max(0, since - self._longest + 1) :]
         return any(s in tail for s in self.stops)
 
@@ -57,7 +58,9 @@ class StopStrings:
             if self.ends[r] is not None:
                 continue
             row, seen = tokens[r].tolist(), self._checked[r]
-            before = len(self._text(row[:seen]))
+            # a sync may split a multi-byte character: its bytes decode to U+FFFD until complete, so
+            # count only the characters before them as checked (the completed one is new text)
+            before = len(self._text(row[:seen]).rstrip("\ufffd"))
             if self._hit(self._text(row), before):
                 # the first token count whose text contains a stop string
                 end = next(t for t in range(seen + 1, len(row) + 1) if self._hit(self._text(row[:t]), 0))

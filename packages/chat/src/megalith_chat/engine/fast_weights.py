@@ -47,9 +47,14 @@ class ModelShape:
     qkv_bias: bool
     o_bias: bool
     tied: bool
+    window: int | None = None  # an active sliding-window attention's width (the engine needs max_len <= it)
 
     @classmethod
-    def of(cls, model: nn.Module) -> ModelShape:
+    def of(cls, model: nn.Module, max_len: int | None = None) -> ModelShape:
+        """The shape of an HF decoder, refusing (:class:`ConfigError` naming the setting) what the
+        engine's forward does not implement: MLP biases, an activation other than SiLU, RoPE whose
+        tables change with the sequence length, and a sliding window narrower than the ``max_len``
+        cache slots the engine may attend (``max_len=None``: any active window)."""
         cfg: Any = model.config
         if cfg.model_type not in SUPPORTED:
             raise ConfigError(f"the fast engine supports {SUPPORTED}, got model_type {cfg.model_type!r}")
@@ -57,8 +62,9 @@ class ModelShape:
         mlp = model.model.layers[0].mlp  # type: ignore[index,union-attr]
         if getattr(mlp.gate_proj, "bias", None) is not None:
             raise ConfigError("MLP biases are not supported by the fast engine")
+        _check_forward(cfg)
         heads = cfg.num_attention_heads
-        return cls(
+        shape = cls(
             layers=cfg.num_hidden_layers,
             hidden=cfg.hidden_size,
             heads=heads,
@@ -70,6 +76,66 @@ class ModelShape:
             qkv_bias=_linear(attn.q_proj).bias is not None,
             o_bias=_linear(attn.o_proj).bias is not None,
             tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+            window=sliding_window(cfg),
+        )
+        shape.check_len(max_len)
+        return shape
+
+    def check_len(self, max_len: int | None) -> None:
+        """Refuse a cache of ``max_len`` slots wider than the sliding window (``None``: any window).
+
+        HF's window ``W`` lets a query at slot ``i`` see slots ``j > i - W``; the engine's dense
+        cache lets it see ``j >= i - (max_len - 1)``, the same set only while ``max_len <= W``."""
+        if self.window is not None and (max_len is None or max_len > self.window):
+            raise ConfigError(
+                f"sliding-window attention (sliding_window={self.window}) is not supported by the fast "
+                f"engine beyond the window: need max_len <= {self.window}, got {max_len}"
+            )
+
+
+ACTIVATIONS = ("silu", "swish")  # the engine's MLP is SwiGLU: silu(gate) * up
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # HF recomputes their tables for longer sequences
+
+
+def rope_types(cfg: Any) -> set[str]:
+    """The ``rope_type`` s of ``cfg.rope_parameters`` (transformers 5) or ``cfg.rope_scaling``
+    (older), including per-layer-type parameter dicts; ``default`` when unset."""
+    found: set[str] = set()
+    for attr in ("rope_parameters", "rope_scaling"):
+        params = getattr(cfg, attr, None)
+        if not isinstance(params, Mapping):
+            continue
+        groups = [p for p in params.values() if isinstance(p, Mapping)] or [params]
+        found.update(str(p.get("rope_type", p.get("type", "default"))) for p in groups)
+    return found or {"default"}
+
+
+def sliding_window(cfg: Any) -> int | None:
+    """The width of the sliding-window attention some layer of ``cfg`` uses, or None.
+
+    Mistral applies ``sliding_window`` to every layer when set; Qwen2 only with
+    ``use_sliding_window`` and to the layers ``layer_types`` marks ``sliding_attention``."""
+    window = getattr(cfg, "sliding_window", None)
+    if window is None or getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(cfg, "layer_types", None)
+    if cfg.model_type != "mistral" and layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+def _check_forward(cfg: Any) -> None:
+    """Refuse an activation or a RoPE type the engine's forward does not implement."""
+    act = getattr(cfg, "hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise ConfigError(
+            f"hidden_act={act!r} is not supported by the fast engine (its MLP is SwiGLU: {ACTIVATIONS})"
+        )
+    bad = sorted(rope_types(cfg) & set(LENGTH_DEPENDENT_ROPE))
+    if bad:
+        raise ConfigError(
+            f"rope_type={bad[0]!r} is not supported by the fast engine: its cos/sin tables depend on the "
+            f"sequence length ({LENGTH_DEPENDENT_ROPE} are refused)"
         )
 
 
@@ -84,22 +150,109 @@ def unwrap_peft(model: Any) -> Any:
 
 
 def effective_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(HF name, tensor)`` of every parameter, LoRA adapters merged: ``W + (alpha/r) B A``."""
+    """``(HF name, tensor)`` of every parameter as the (PEFT) model's forward applies it.
+
+    LoRA adapters are merged (``W + (alpha/r) B A`` through PEFT's ``get_delta_weight``; DoRA as
+    :func:`_merged_lora` says), and of a ``modules_to_save`` wrapper only the module the forward
+    runs (the active adapter's copy, else the original) is yielded, under the plain name.
+    """
     base = unwrap_peft(model)
     merged: dict[str, torch.Tensor] = {}
+    chosen: dict[str, str] = {}  # modules_to_save wrapper name -> the prefix of the module it runs
     for name, module in base.named_modules():
         if hasattr(module, "base_layer") and hasattr(module, "get_delta_weight"):
-            weight = module.base_layer.weight.detach()
-            if not getattr(module, "merged", False) and not getattr(module, "disable_adapters", False):
-                for adapter in module.active_adapters:
-                    if adapter in module.lora_A:
-                        weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
+            weight, bias = _merged_lora(name, module)
             merged[f"{name}.weight"] = weight
+            if bias is not None:
+                merged[f"{name}.bias"] = bias
+        elif hasattr(module, "original_module") and hasattr(module, "modules_to_save"):
+            chosen[name] = _saved_module(module)
     for name, param in base.named_parameters():
-        if "lora_" in name:
+        clean = _plain_name(name, chosen)
+        if clean is None:
             continue
-        clean = name.replace(".base_layer.", ".")
         yield clean, merged.get(clean, param.detach())
+
+
+def _plain_name(name: str, chosen: Mapping[str, str]) -> str | None:
+    """The HF name of a PEFT parameter, or None for adapter weights and the modules a
+    ``modules_to_save`` wrapper does not run."""
+    if "lora_" in name:
+        return None
+    for wrapper, prefix in chosen.items():
+        if name.startswith(f"{wrapper}."):
+            inner = f"{wrapper}.{prefix}."
+            return f"{wrapper}.{name[len(inner) :]}" if name.startswith(inner) else None
+    return name.replace(".base_layer.", ".")
+
+
+def _saved_module(wrapper: Any) -> str:
+    """Which module a PEFT ``ModulesToSaveWrapper`` runs: ``modules_to_save.<adapter>`` for the first
+    active adapter that has one (as its forward does), else ``original_module``."""
+    active = list(getattr(wrapper, "active_adapters", ()))
+    if not getattr(wrapper, "disable_adapters", False) and active and active[0] in wrapper.modules_to_save:
+        return f"modules_to_save.{active[0]}"
+    return "original_module"
+
+
+def _merged_lora(name: str, module: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Weight and bias of a PEFT LoRA layer with its active adapters merged (the bias only when an
+    adapter has ``lora_bias``; else None: the base layer's own bias is yielded unchanged).
+
+    Plain LoRA adds ``ΔW = get_delta_weight(a)`` (and ``scaling · b_B`` to the bias). DoRA (Liu et
+    al. 2024) rescales each output row: PEFT's forward computes ``f = m / ||W + ΔW||_row`` from the
+    *base* weight ``W`` and the magnitude vector ``m``, and turns the running output ``R x + e`` into
+    ``f ⊙ (R x + e + ΔW x + scaling · b_B)``; so ``R ← f ⊙ (R + ΔW)`` and ``e ← f ⊙ (e + scaling · b_B)``.
+    Other LoRA variants, and DoRA on anything but an ``nn.Linear``, raise :class:`ConfigError`.
+    """
+    layer = module.get_base_layer()
+    base = layer.weight.detach()
+    if getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
+        return base, None
+    weight, extra, biased = base, torch.zeros(base.shape[0], dtype=base.dtype, device=base.device), False
+    for adapter in module.active_adapters:
+        if adapter not in module.lora_A and adapter not in getattr(module, "lora_embedding_A", {}):
+            continue
+        delta = module.get_delta_weight(adapter).to(base.dtype)
+        b = _lora_bias(module, adapter)
+        biased = biased or b is not None
+        b = extra.new_zeros(()) if b is None else b.to(base.dtype)
+        if _is_dora(name, module, adapter):
+            dora = module.lora_magnitude_vector[adapter]
+            norm = dora.get_weight_norm(base, delta, scaling=1).detach()
+            scale = (dora.weight.detach() / norm).to(base.dtype)  # [out]
+            weight, extra = scale.unsqueeze(1) * (weight + delta), scale * (extra + b)
+        else:
+            weight, extra = weight + delta, extra + b
+    bias = getattr(layer, "bias", None)
+    if not biased:
+        return weight, None
+    if bias is None:
+        raise ConfigError(
+            f"lora_bias on {name}, whose base layer has no bias: the fast engine has no slot for it"
+        )
+    return weight, bias.detach() + extra
+
+
+def _lora_bias(module: Any, adapter: str) -> torch.Tensor | None:
+    """``scaling · b_B`` of an adapter trained with ``lora_bias=True`` (None otherwise)."""
+    if not getattr(module, "lora_bias", {}).get(adapter, False):
+        return None
+    return module.lora_B[adapter].bias.detach() * module.scaling[adapter]
+
+
+def _is_dora(name: str, module: Any, adapter: str) -> bool:
+    """Whether ``adapter`` of ``module`` is DoRA; refuses LoRA variants the merge does not implement."""
+    variant = getattr(module, "lora_variant", {}).get(adapter)
+    kind = type(variant).__name__ if variant is not None else None
+    dora = adapter in getattr(module, "lora_magnitude_vector", {})
+    linear = isinstance(module.get_base_layer(), nn.Linear) and not getattr(module, "fan_in_fan_out", False)
+    if kind not in (None, "DoraLinearVariant") or (dora and not linear):
+        raise ConfigError(
+            f"the fast engine cannot merge the LoRA variant {kind or 'DoRA'} of adapter {adapter!r} "
+            f"on {name} ({type(module.get_base_layer()).__name__}); plain LoRA and DoRA on nn.Linear are supported"
+        )
+    return dora
 
 
 class EngineWeights:
@@ -173,6 +326,16 @@ class EngineWeights:
             )
         return out
 
+    def _check_tied(self, given: Mapping[str, torch.Tensor]) -> None:
+        """A tied LM head shares the embedding's storage: refuse two different tensors for it (e.g. a
+        PEFT ``modules_to_save`` copy of one of them)."""
+        head, embed = given.get("lm_head.weight"), given.get("model.embed_tokens.weight")
+        if self.shape.tied and head is not None and embed is not None and not torch.equal(head, embed):
+            raise ConfigError(
+                "the model ties lm_head.weight to model.embed_tokens.weight (tie_word_embeddings) but "
+                "they differ; the fast engine keeps one tensor for both"
+            )
+
     @torch.no_grad()
     def load(self, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy HF-named tensors into the existing storage (in place), folding norm weights into their
@@ -193,6 +356,7 @@ class EngineWeights:
                     f"parameter {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
                 )
             given[key] = tensor.detach()
+        self._check_tied(given)
         folded = {}  # projection name -> its norm weight name
         for norm, projections in self.folds().items():
             missing = [p for p in projections if p not in given]

@@ -35,7 +35,10 @@ class SamplingParams:
     the temperature-1 policy). Otherwise ``temperature > 0`` scales the logits, ``top_k > 0`` keeps
     the ``k`` most likely tokens and ``top_p`` in ``(0, 1]`` keeps the smallest set of most likely
     tokens whose probability mass reaches ``top_p`` (the nucleus; Holtzman et al. 2020).
-    ``stop`` strings end a sequence once its decoded text contains one (checked per sequence).
+    ``stop``: a tuple (a list is converted) of strings that end a sequence once its decoded text
+    contains one. The engine holds no tokenizer, so the caller matches them in
+    :meth:`FastEngine.generate`'s ``on_sync`` hook (``fast_rollout.StopStrings``, which
+    ``FastGenerator`` passes); ``generate`` refuses a non-empty ``stop`` without a hook.
     """
 
     max_new_tokens: int = 48
@@ -52,10 +55,17 @@ class SamplingParams:
             raise ConfigError(
                 f"temperature must be > 0 when sampling (use greedy=True), got {self.temperature}"
             )
+        if not self.greedy and not torch.isfinite(torch.tensor(1.0 / self.temperature, dtype=torch.float32)):
+            raise ConfigError(
+                f"temperature {self.temperature} is too small: 1 / temperature overflows float32 (use greedy=True)"
+            )
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not isinstance(self.stop, (tuple, list)) or not all(isinstance(s, str) for s in self.stop):
+            raise ConfigError(f"stop must be a tuple of strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(self.stop))
         if any(not s for s in self.stop):
             raise ConfigError(f"stop strings must be non-empty, got {self.stop!r}")
 
