@@ -74,17 +74,17 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     )
     params = [p for p in model.parameters() if p.requires_grad]
     per_token = flops_per_token(model, model.config, cfg.seq_len)  # the whole model, before any split
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    adamw = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     total_steps = _total_steps(cfg, plugin.dp_size())
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
+        adamw,
         lr_lambda(cfg.schedule, cfg.warmup_steps, total_steps, cfg.min_lr_ratio, cfg.decay_fraction),
     )
     loader = booster.prepare_dataloader(train_set, batch_size=cfg.batch_size, seed=cfg.seed)
     model, optimizer, _, loader, scheduler = booster.boost(
-        model, optimizer, dataloader=loader, lr_scheduler=scheduler
+        model, adamw, dataloader=loader, lr_scheduler=scheduler
     )
-    assert optimizer is not None
+    assert optimizer is not None  # boost() returns a BoostedOptimizer whenever it is given an optimizer
     if cfg.sft_data and cfg.neftune_alpha > 0:  # after boost: tensor parallelism swaps the embedding
         from megalith_llama.sft_data import enable_neftune
 
@@ -188,9 +188,9 @@ def _load_inputs(cfg: TrainConfig, device: torch.device) -> tuple[Any, Any, Any,
         model.config, cfg.pp, cfg.pp_schedule, cfg.lora, bool(getattr(train_set, "document_masking", False))
     )
     heldout = heldout_sequences(tokenizer, cfg.seq_len)
-    if cfg.lora:
-        model = _apply_lora(model, cfg.lora_rank)
-    return model.to(device), tokenizer, train_set, heldout
+    # a PEFT model with LoRA: an nn.Module, no longer a PreTrainedModel
+    policy: torch.nn.Module = _apply_lora(model, cfg.lora_rank) if cfg.lora else model
+    return policy.to(device), tokenizer, train_set, heldout
 
 
 def _train_set(

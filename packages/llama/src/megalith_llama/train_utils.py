@@ -8,8 +8,9 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -96,13 +97,23 @@ def prune_checkpoints(root: Path, keep: int, newest: Path | None = None) -> None
         shutil.rmtree(old, ignore_errors=True)
 
 
-def flops_per_token(model: torch.nn.Module, config: Any, seq_len: int) -> float:
+class _LanguageModel(Protocol):
+    """What `flops_per_token` reads of an HF causal LM (a `PreTrainedModel`, PEFT-wrapped or not)."""
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]: ...
+
+    def get_input_embeddings(self) -> torch.nn.Module | None: ...
+
+
+def flops_per_token(model: _LanguageModel, config: Any, seq_len: int) -> float:
     """Training FLOPs per token: 6N (matmuls, forward + backward) + 12·L·d·S (attention scores),
     the PaLM appendix-B estimate; N excludes the input embedding (a lookup, no FLOPs)."""
     n = sum(p.numel() for p in model.parameters())
     emb = model.get_input_embeddings()
     if emb is not None and not getattr(config, "tie_word_embeddings", False):
-        n -= emb.weight.numel()
+        weight = emb.weight
+        assert isinstance(weight, torch.Tensor)  # an embedding's weight is a parameter, never a module
+        n -= weight.numel()
     return 6.0 * n + 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
 
 

@@ -22,9 +22,10 @@ def to_langchain_document(hit: ScoredChunk) -> Any:
 
 def as_langchain_retriever(retriever: HybridRetriever, k: int = 5, mode: str = "hybrid") -> Any:
     """Wrap `retriever` as a LangChain `BaseRetriever` (`.invoke(query) -> list[Document]`)."""
-    retrievers = require("langchain_core.retrievers")
+    # an optional dependency imported here, so the base class is known only at run time
+    base_retriever: Any = require("langchain_core.retrievers").BaseRetriever
 
-    class MegalithRetriever(retrievers.BaseRetriever):  # type: ignore[misc,name-defined]
+    class MegalithRetriever(base_retriever):
         hybrid: Any
         top_k: int = 5
         search_mode: str = "hybrid"

@@ -176,7 +176,9 @@ class ConsumerActor:
         pipeline = pipeline_options(run.pp, run.pp_schedule, run.microbatches) if run.pp > 1 else None
         self.booster = make_booster(run.plugin, run.precision, run.tp, run.sp_mode, model, pipeline)
         optimizer = make_optimizer(model, run.lr, run.weight_decay)
-        self.model, self.optimizer, *_ = self.booster.boost(model, optimizer)
+        self.model, boosted, *_ = self.booster.boost(model, optimizer)
+        assert boosted is not None  # boost() returns a BoostedOptimizer whenever it is given an optimizer
+        self.optimizer = boosted
         if run.sp_mode == "split_gather":
             pad_sequence_to_multiple(self.model, run.tp)
         self.learner = GRPOLearner(self.model, self.optimizer, self.booster, run.learner, ref)

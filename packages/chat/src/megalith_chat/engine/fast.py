@@ -194,18 +194,18 @@ class FastEngine:
         if max_batch <= self.max_batch and max_len <= self.max_len:
             return
         self.shape.check_len(max(max_len, self.max_len))
-        s, kw = self.shape, {"device": self.device, "dtype": self.dtype}
+        s = self.shape
         self.max_batch, self.max_len = max(max_batch, self.max_batch), max(max_len, self.max_len)
         self._graphs.clear()
         self.k_cache = self.v_cache = torch.empty(0)  # free before allocating the larger cache
         size = (s.layers, self.max_batch, s.kv_heads, self.max_len, s.head_dim)
-        self.k_cache = torch.zeros(size, **kw)  # type: ignore[arg-type]
-        self.v_cache = torch.zeros(size, **kw)  # type: ignore[arg-type]
+        self.k_cache = torch.zeros(size, device=self.device, dtype=self.dtype)
+        self.v_cache = torch.zeros(size, device=self.device, dtype=self.dtype)
         where = next(self._rotary.buffers()).device
         positions = torch.arange(self.max_len, device=where).unsqueeze(0)
         cos, sin = self._rotary(torch.zeros(1, dtype=torch.float32, device=where), positions)
-        self._cos = cos[0].to(**kw)  # type: ignore[arg-type]  # [max_len, D]
-        self._sin = sin[0].to(**kw)  # type: ignore[arg-type]
+        self._cos = cos[0].to(device=self.device, dtype=self.dtype)  # [max_len, D]
+        self._sin = sin[0].to(device=self.device, dtype=self.dtype)
         self.state = DecodeState(self.max_batch, self.max_len, s.vocab, self.device)
 
     @torch.no_grad()

@@ -52,8 +52,9 @@ def make_kernels() -> tuple[Any, Any]:  # noqa: PLR0915, C901  (the kernels' bod
     import triton
     import triton.language as tl
 
+    # arguments stay unannotated: @triton.jit reads annotations (tl.constexpr) to specialise a kernel
     @triton.jit
-    def partial(q_ptr, k_ptr, v_ptr, start_ptr, slot_ptr, m_ptr, l_ptr, a_ptr,  # noqa: PLR0915, C901
+    def partial(q_ptr, k_ptr, v_ptr, start_ptr, slot_ptr, m_ptr, l_ptr, a_ptr,  # type: ignore[no-untyped-def]  # noqa: PLR0915, C901
                 sk_b, sk_h, sk_t, kv_heads, kv_len, split_len, num_splits, scale,
                 o_ptr, pend_ptr, split_offset,
                 qkv_ptr, x_ptr, bias_ptr, cos_ptr, sin_ptr, s_qkv, s_x, s_cos, s_sin, hidden, eps,
@@ -181,7 +182,7 @@ def make_kernels() -> tuple[Any, Any]:  # noqa: PLR0915, C901  (the kernels' bod
             tl.store(a_ptr + row[:, None] * D + d[None, :], acc, mask=live[:, None])
 
     @triton.jit
-    def combine(m_ptr, l_ptr, a_ptr, o_ptr, num_splits,
+    def combine(m_ptr, l_ptr, a_ptr, o_ptr, num_splits,  # type: ignore[no-untyped-def]
                 G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):  # fmt: skip
         bh = tl.program_id(0)
         s = tl.arange(0, BS)

@@ -27,8 +27,9 @@ def make_kernel() -> Any:
     import triton
     import triton.language as tl
 
+    # arguments stay unannotated: @triton.jit reads annotations (tl.constexpr) to specialise a kernel
     @triton.jit
-    def norm_silu(gu_ptr, x_ptr, out_ptr, s_gu, s_x, s_out, inter, hidden, eps,
+    def norm_silu(gu_ptr, x_ptr, out_ptr, s_gu, s_x, s_out, inter, hidden, eps,  # type: ignore[no-untyped-def]
                   BLOCK: tl.constexpr, HIDDEN: tl.constexpr):  # fmt: skip
         r = tl.program_id(0).to(tl.int64)
         i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

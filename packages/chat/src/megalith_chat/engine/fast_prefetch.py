@@ -36,8 +36,9 @@ def make_kernel() -> Any:
     import triton
     import triton.language as tl
 
+    # arguments stay unannotated: @triton.jit reads annotations (tl.constexpr) to specialise a kernel
     @triton.jit
-    def prefetch(base_ptr, off1, off2, off3, n0, n1, n2, n3, CHUNK: tl.constexpr, N: tl.constexpr):  # fmt: skip
+    def prefetch(base_ptr, off1, off2, off3, n0, n1, n2, n3, CHUNK: tl.constexpr, N: tl.constexpr):  # type: ignore[no-untyped-def]  # fmt: skip
         r = tl.program_id(1)
         off = tl.where(r == 1, off1, tl.where(r == 2, off2, tl.where(r == 3, off3, 0))).to(tl.int64)
         nbytes = tl.where(r == 0, n0, tl.where(r == 1, n1, tl.where(r == 2, n2, n3))).to(tl.int64)

@@ -30,8 +30,9 @@ def make_kernel() -> Any:
     import triton
     import triton.language as tl
 
+    # arguments stay unannotated: @triton.jit reads annotations (tl.constexpr) to specialise a kernel
     @triton.jit
-    def prologue(qkv_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr, x_ptr, bias_ptr,
+    def prologue(qkv_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr, x_ptr, bias_ptr,  # type: ignore[no-untyped-def]
                  s_qkv, s_cos, s_sin, s_cb, s_ch, s_ct, s_x, heads, kv_heads, hidden, eps,
                  D: tl.constexpr, HALF: tl.constexpr, PER: tl.constexpr, NORM: tl.constexpr,
                  HIDDEN: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip

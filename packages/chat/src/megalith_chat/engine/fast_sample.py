@@ -40,8 +40,9 @@ def make_kernels(block: int = BLOCK) -> tuple[Any, Any, int]:
     import triton
     import triton.language as tl
 
+    # arguments stay unannotated: @triton.jit reads annotations (tl.constexpr) to specialise a kernel
     @triton.jit
-    def chunk(logits_ptr, inv_t_ptr, seed_ptr, ridx_ptr, pf_ptr, pi_ptr, s_logits, vocab, num_chunks,
+    def chunk(logits_ptr, inv_t_ptr, seed_ptr, ridx_ptr, pf_ptr, pi_ptr, s_logits, vocab, num_chunks,  # type: ignore[no-untyped-def]
               BLOCK: tl.constexpr):  # fmt: skip
         r = tl.program_id(0)
         c = tl.program_id(1)
@@ -69,7 +70,7 @@ def make_kernels(block: int = BLOCK) -> tuple[Any, Any, int]:
         tl.store(pi_ptr + part * 2 + 1, c * BLOCK + tl.argmax(raw, axis=0))
 
     @triton.jit
-    def finish(pf_ptr, pi_ptr, logits_ptr, inv_t_ptr, greedy_ptr, done_ptr, eos_ptr, pad_ptr, ridx_ptr,
+    def finish(pf_ptr, pi_ptr, logits_ptr, inv_t_ptr, greedy_ptr, done_ptr, eos_ptr, pad_ptr, ridx_ptr,  # type: ignore[no-untyped-def]
                tok_ptr, out_tok_ptr, out_lp_ptr, s_logits, s_out, num_chunks,
                BC: tl.constexpr, NE: tl.constexpr):  # fmt: skip
         r = tl.program_id(0).to(tl.int64)

@@ -28,24 +28,24 @@ class DecodeState:
     """
 
     def __init__(self, max_batch: int, max_len: int, vocab: int, device: torch.device) -> None:
-        b, kw = max_batch, {"device": device}
-        self.tok = torch.zeros(b, dtype=torch.long, **kw)  # type: ignore[arg-type]
-        self.start = torch.zeros(b, dtype=torch.long, **kw)  # type: ignore[arg-type]
-        self.slot = torch.zeros((), dtype=torch.long, **kw)  # type: ignore[arg-type]
-        self.ridx = torch.zeros((), dtype=torch.long, **kw)  # type: ignore[arg-type]
-        self.prompt_end = torch.zeros((), dtype=torch.long, **kw)  # type: ignore[arg-type]
-        self.seed = torch.zeros((), dtype=torch.long, **kw)  # type: ignore[arg-type]
-        self.pad = torch.zeros((), dtype=torch.long, **kw)  # type: ignore[arg-type]
-        self.eos = torch.full((MAX_EOS,), -1, dtype=torch.long, **kw)  # type: ignore[arg-type]
-        self.inv_t = torch.ones(b, 1, **kw)  # type: ignore[arg-type]
-        self.top_p = torch.ones(b, 1, **kw)  # type: ignore[arg-type]
-        self.top_k = torch.zeros(b, 1, dtype=torch.long, **kw)  # type: ignore[arg-type]
-        self.greedy = torch.zeros(b, dtype=torch.bool, **kw)  # type: ignore[arg-type]
-        self.noise = torch.ones(b, vocab, **kw)  # type: ignore[arg-type]
-        self.done = torch.zeros(b, dtype=torch.bool, **kw)  # type: ignore[arg-type]
-        self.out_tok = torch.zeros(b, max_len, dtype=torch.long, **kw)  # type: ignore[arg-type]
-        self.out_lp = torch.zeros(b, max_len, **kw)  # type: ignore[arg-type]
-        self.arange = torch.arange(max_len, **kw)  # type: ignore[arg-type]
+        b = max_batch
+        self.tok = torch.zeros(b, dtype=torch.long, device=device)
+        self.start = torch.zeros(b, dtype=torch.long, device=device)
+        self.slot = torch.zeros((), dtype=torch.long, device=device)
+        self.ridx = torch.zeros((), dtype=torch.long, device=device)
+        self.prompt_end = torch.zeros((), dtype=torch.long, device=device)
+        self.seed = torch.zeros((), dtype=torch.long, device=device)
+        self.pad = torch.zeros((), dtype=torch.long, device=device)
+        self.eos = torch.full((MAX_EOS,), -1, dtype=torch.long, device=device)
+        self.inv_t = torch.ones(b, 1, device=device)
+        self.top_p = torch.ones(b, 1, device=device)
+        self.top_k = torch.zeros(b, 1, dtype=torch.long, device=device)
+        self.greedy = torch.zeros(b, dtype=torch.bool, device=device)
+        self.noise = torch.ones(b, vocab, device=device)
+        self.done = torch.zeros(b, dtype=torch.bool, device=device)
+        self.out_tok = torch.zeros(b, max_len, dtype=torch.long, device=device)
+        self.out_lp = torch.zeros(b, max_len, device=device)
+        self.arange = torch.arange(max_len, device=device)
         self.device = device
 
     def prepare(

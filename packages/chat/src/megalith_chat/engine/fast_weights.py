@@ -259,20 +259,27 @@ class EngineWeights:
     """Fused per-layer weights on ``device`` in ``dtype`` plus the name -> view table."""
 
     def __init__(self, shape: ModelShape, device: torch.device, dtype: torch.dtype) -> None:
-        s, kw = shape, {"device": device, "dtype": dtype}
+        s = shape
         qkv = (s.heads + 2 * s.kv_heads) * s.head_dim
+
+        def empty(*size: int) -> torch.Tensor:
+            return torch.empty(*size, device=device, dtype=dtype)
+
+        def zeros(*size: int) -> torch.Tensor:
+            return torch.zeros(*size, device=device, dtype=dtype)
+
         self.shape = s
-        self.embed = torch.empty(s.vocab, s.hidden, **kw)  # type: ignore[arg-type]
-        self.norm = torch.empty(s.hidden, **kw)  # type: ignore[arg-type]
-        self.lm_head = self.embed if s.tied else torch.empty(s.vocab, s.hidden, **kw)  # type: ignore[arg-type]
-        self.ln1 = [torch.empty(s.hidden, **kw) for _ in range(s.layers)]  # type: ignore[arg-type]
-        self.ln2 = [torch.empty(s.hidden, **kw) for _ in range(s.layers)]  # type: ignore[arg-type]
-        self.wqkv = [torch.empty(qkv, s.hidden, **kw) for _ in range(s.layers)]  # type: ignore[arg-type]
-        self.bqkv = [torch.zeros(qkv, **kw) if s.qkv_bias else None for _ in range(s.layers)]  # type: ignore[arg-type]
-        self.wo = [torch.empty(s.hidden, s.heads * s.head_dim, **kw) for _ in range(s.layers)]  # type: ignore[arg-type]
-        self.bo = [torch.zeros(s.hidden, **kw) if s.o_bias else None for _ in range(s.layers)]  # type: ignore[arg-type]
-        self.wgu = [torch.empty(2 * s.intermediate, s.hidden, **kw) for _ in range(s.layers)]  # type: ignore[arg-type]
-        self.wd = [torch.empty(s.hidden, s.intermediate, **kw) for _ in range(s.layers)]  # type: ignore[arg-type]
+        self.embed = empty(s.vocab, s.hidden)
+        self.norm = empty(s.hidden)
+        self.lm_head = self.embed if s.tied else empty(s.vocab, s.hidden)
+        self.ln1 = [empty(s.hidden) for _ in range(s.layers)]
+        self.ln2 = [empty(s.hidden) for _ in range(s.layers)]
+        self.wqkv = [empty(qkv, s.hidden) for _ in range(s.layers)]
+        self.bqkv = [zeros(qkv) if s.qkv_bias else None for _ in range(s.layers)]
+        self.wo = [empty(s.hidden, s.heads * s.head_dim) for _ in range(s.layers)]
+        self.bo = [zeros(s.hidden) if s.o_bias else None for _ in range(s.layers)]
+        self.wgu = [empty(2 * s.intermediate, s.hidden) for _ in range(s.layers)]
+        self.wd = [empty(s.hidden, s.intermediate) for _ in range(s.layers)]
         self.views = self._views()
 
     def _views(self) -> dict[str, torch.Tensor]:
@@ -357,7 +364,7 @@ class EngineWeights:
                 )
             given[key] = tensor.detach()
         self._check_tied(given)
-        folded = {}  # projection name -> its norm weight name
+        folded: dict[str, str] = {}  # projection name -> its norm weight name
         for norm, projections in self.folds().items():
             missing = [p for p in projections if p not in given]
             if norm in given and missing:
@@ -368,6 +375,6 @@ class EngineWeights:
                 self.views[key].copy_(tensor, non_blocking=True)
         for key, tensor in given.items():
             if key in folded:
-                norm = self.views[folded[key]]
-                self.views[key].copy_(tensor.to(norm.device, torch.float32) * norm.float())
+                weight = self.views[folded[key]]
+                self.views[key].copy_(tensor.to(weight.device, torch.float32) * weight.float())
         return len(given)

@@ -3,7 +3,7 @@ the reward function of a run (a task's reward or a reward spec)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -22,8 +22,12 @@ def _task_prompts(task: str, num: int, seed: int, options: dict[str, Any]) -> li
         raise ConfigError(f"task {task!r} has no option(s) {unknown}; it accepts {list(allowed)}")
     from megalith_chat.data import tasks
 
-    fn = {"arithmetic": tasks.arithmetic_task, "reverse": tasks.reverse_digits_task}[get_task(task).name]
-    return fn(num, seed, **options)
+    # the tasks differ in their keyword options (checked above against TASK_OPTIONS)
+    makers: dict[str, Callable[..., list[PromptExample]]] = {
+        "arithmetic": tasks.arithmetic_task,
+        "reverse": tasks.reverse_digits_task,
+    }
+    return makers[get_task(task).name](num, seed, **options)
 
 
 class WeightedSum:

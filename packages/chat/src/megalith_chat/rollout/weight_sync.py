@@ -83,9 +83,10 @@ class WeightSyncGroup:
             wait_for_workers=False,
         )
         prefixed = dist.PrefixStore("megalith-weight-sync", self._store)
+        self._pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL  # backends, not dist.ProcessGroup
         try:
             if spec.backend == "gloo":
-                self._pg: dist.ProcessGroup = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
+                self._pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
             else:
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
@@ -98,7 +99,8 @@ class WeightSyncGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         try:
-            self._pg.broadcast([tensor], opts).wait()
+            # torch's stubs give the C++ Backend no collectives (ProcessGroupGloo/NCCL have them)
+            self._pg.broadcast([tensor], opts).wait()  # type: ignore[union-attr]
         except RuntimeError as exc:
             raise DistributedError(f"weight-sync broadcast failed on member {self.rank}: {exc}") from exc
 

@@ -111,8 +111,9 @@ class GRPOLearner:
         args = (rows["prompt_ids"], rows["prompt_mask"], rows["response_ids"], rows["response_mask"])
         if self.ref_model is not None:
             return response_logprobs(self.ref_model, *args, temperature=self.config.temperature)
-        if self._has_adapter():
-            with self.booster.unwrap(self.model).disable_adapter():
+        disable_adapter = getattr(self.booster.unwrap(self.model), "disable_adapter", None)
+        if disable_adapter is not None:  # a PEFT model: the reference is the base without the adapter
+            with disable_adapter():
                 return response_logprobs(self.model, *args, temperature=self.config.temperature)
         return None
 

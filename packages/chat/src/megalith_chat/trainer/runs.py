@@ -85,8 +85,7 @@ def run_supervised_command(args: argparse.Namespace) -> list[dict[str, float]]:
     tokenizer = load_tokenizer_dir(model_dir)
     model, dataset, collate = _model_and_data(args, model_dir, tokenizer)
     booster = make_booster(args.plugin, args.precision, args.tp, args.sp_mode, model, pipeline)
-    optimizer = make_optimizer(model, args.lr)
-    model, optimizer, *_ = booster.boost(model, optimizer)
+    model, optimizer, *_ = booster.boost(model, make_optimizer(model, args.lr))
     if args.sp_mode == "split_gather":
         pad_sequence_to_multiple(model, args.tp)
     loader = booster.prepare_dataloader(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -124,7 +124,7 @@ def with_reference_logps(
     from dataclasses import replace
 
     collate = pair_collate(pad_id)
-    out = []
+    out: list[EncodedPair] = []
     for start in range(0, len(pairs), batch_size):
         chunk = pairs[start : start + batch_size]
         logps = sequence_logps(model, collate(chunk))
@@ -136,13 +136,13 @@ def with_reference_logps(
     return ListDataset(out)
 
 
-def dpo_loss_fn(beta: float, loss_type: str = "sigmoid") -> Any:
+def dpo_loss_fn(beta: float, loss_type: Literal["sigmoid", "ipo"] = "sigmoid") -> Any:
     def fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         logps = sequence_logps(model, batch)
         n = logps.shape[0] // 2
         out = dpo_loss(
             logps[:n], logps[n:], batch["ref"][:, 0], batch["ref"][:, 1], beta=beta, loss_type=loss_type
-        )  # type: ignore[arg-type]
+        )
         margin = float((out.chosen_rewards - out.rejected_rewards).mean())
         return out.loss, {"margin": margin, "reward_accuracy": out.reward_accuracy}
 
