@@ -123,6 +123,15 @@ class HybridConfig:
             raise ConfigError(f"zero_stage must be 0, 1 or 2, got {zero!r}")
 
 
+def _recomputes(model: nn.Module) -> bool:
+    """Whether HF activation checkpointing is on (transformers 5 renamed the property; the old name
+    warns where the new one exists)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
+
+
 class HybridPlugin(Plugin):
     """TP/SP over the tp axis composed with DDP-style all-reduce or ZeRO-1/2 over the dp axis.
 
@@ -177,9 +186,7 @@ class HybridPlugin(Plugin):
         dims = ParallelDims(world_size(), tp=self.config.tp_size, pp=self.config.pp_size)
         plan = self.plan_for(model)
         validate_plan(model, plan, dims.tp, self.config.sp_mode)  # before any weight moves
-        recompute = getattr(model, "is_gradient_checkpointing", False) or (
-            dims.pp > 1 and self.config.checkpoint_ratio > 0
-        )
+        recompute = _recomputes(model) or (dims.pp > 1 and self.config.checkpoint_ratio > 0)
         if dims.tp > 1 and recompute and (rate := dropout_rate(model)) > 0:
             raise ConfigError(
                 f"dropout {rate:g} with activation recomputation under tp_size={dims.tp}: a recomputed "
