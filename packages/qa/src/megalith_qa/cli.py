@@ -258,7 +258,16 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     app = create_app(pipeline)
     print(f"megalith-qa ready in {time.perf_counter() - start:.1f}s; data in {config.data_dir}", flush=True)
     print(f"Serving on http://{config.server.host}:{config.server.port}  (API docs at /docs)", flush=True)
-    uvicorn.run(app, host=config.server.host, port=config.server.port, log_level=ns.log_level.lower())
+    try:  # the app has no lifespan events; uvicorn re-raises Ctrl+C once it has shut down
+        uvicorn.run(
+            app,
+            host=config.server.host,
+            port=config.server.port,
+            log_level=ns.log_level.lower(),
+            lifespan="off",
+        )
+    except KeyboardInterrupt:
+        print("megalith-qa stopped", flush=True)
     return 0
 
 
