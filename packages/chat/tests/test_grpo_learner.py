@@ -56,3 +56,37 @@ def test_shuffled_advantages_are_a_permutation() -> None:
     shuffled = compute_advantages(batch, LearnerConfig(shuffle_advantages=True), step=0)
     assert not torch.equal(plain, shuffled)
     torch.testing.assert_close(plain.sort().values, shuffled.sort().values)
+
+
+def _lora_reference(rank: int, world: int) -> tuple[float, float]:
+    """A LoRA policy (non-zero adapters) with kl_coef > 0 and no reference model: the learner's
+    reference log-probs against the base model's and against the adapted policy's (max |diff|)."""
+    from peft import LoraConfig, get_peft_model
+
+    from megalith_chat.rollout.generation import response_logprobs
+
+    base = tiny_llama(seed=0, vocab_size=VOCAB)
+    plain = copy.deepcopy(base)
+    torch.manual_seed(1)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    policy = get_peft_model(base, lora)
+    booster = make_booster("zero2", "fp32")
+    policy, optimizer, *_ = booster.boost(policy, make_optimizer(policy, LR))
+    config = LearnerConfig(loss=PolicyLossConfig(kl_coef=0.1), micro_batch_size=4, track_kl=True)
+    learner = GRPOLearner(policy, optimizer, booster, config)
+    batch = _batch()
+    args = (batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
+    rows = dict(zip(("prompt_ids", "prompt_mask", "response_ids", "response_mask"), args, strict=True))
+    ref = learner._ref_logprobs(rows)
+    assert ref is not None
+    with torch.no_grad():
+        want, adapted = response_logprobs(plain, *args), response_logprobs(policy, *args)
+    return float((ref - want).abs().max()), float((ref - adapted).abs().max())
+
+
+def test_lora_reference_is_the_base_model() -> None:
+    """kl_coef > 0 on a LoRA policy without a reference model: the reference is the base model (the
+    adapter switched off), not the adapted policy."""
+    to_base, to_policy = run_distributed(_lora_reference, 1)[0]
+    assert to_base < 1e-6
+    assert to_policy > 1e-3  # the adapters change the policy, so the comparison can tell them apart
