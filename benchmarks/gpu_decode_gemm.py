@@ -70,16 +70,13 @@ def prefetched(x: Any, weights: list[Any], side: Any) -> None:
     import torch
     import torch.nn.functional as F
 
-    from megalith_chat.engine.fast_prefetch import prefetch_l2
+    from megalith_chat.engine.fast_prefetch import prefetch_on
 
-    main = torch.cuda.current_stream()
     for i, w in enumerate(weights):
         if i + 1 < len(weights):
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                prefetch_l2([weights[i + 1]])
+            prefetch_on(side, [weights[i + 1]])
         F.linear(x, w)
-    main.wait_stream(side)
+    torch.cuda.current_stream().wait_stream(side)
 
 
 def variants(name: str, rows: int) -> dict[str, Any]:

@@ -97,35 +97,37 @@ def test_truncation_that_leaves_no_trained_token_names_the_line(chat_tokenizer: 
 
 
 @pytest.mark.parametrize(
-    ("flag", "value", "error"),
+    ("flag", "value"),
     [
-        ("--batch-size", "0", "ConfigError"),
-        ("--grad-accum", "0", "ConfigError"),
-        ("--nproc-per-node", "0", "ConfigError"),
-        ("--steps", "0", "ConfigError"),
-        ("--steps", "-4", "ConfigError"),
-        ("--max-length", "0", "ConfigError"),
-        ("--max-length", "-3", "ConfigError"),
-        ("--save-every", "-1", "ConfigError"),
-        ("--lr", "0", "ConfigError"),
+        ("--batch-size", "0"),
+        ("--grad-accum", "0"),
+        ("--nproc-per-node", "0"),
+        ("--steps", "0"),
+        ("--steps", "-4"),
+        ("--max-length", "0"),
+        ("--max-length", "-3"),
+        ("--save-every", "-1"),
+        ("--lr", "0"),
     ],
 )
 def test_bad_sizes_are_rejected_before_any_work(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str, error: str
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str
 ) -> None:
     """The model path does not exist: the flag's error must come first (nothing is loaded)."""
-    from megalith.common import errors
+    import re
+
+    from megalith.common.errors import ConfigError
     from megalith_chat.cli import build_parser
     from megalith_chat.commands import check_supervised_args
 
     data = _write(tmp_path / "sft.jsonl", [{"prompt": "hi", "response": "four"}])
     argv = ["sft", "--model", str(tmp_path / "missing"), "--data", str(data), "--no-progress", flag, value]
-    with pytest.raises(getattr(errors, error)) as info:
+    named = rf"{re.escape(flag)} must be [^,]*, got {re.escape(value)}\b"
+    with pytest.raises(ConfigError, match=named):
         check_supervised_args(build_parser().parse_args(argv))
-    assert flag in str(info.value) and value in str(info.value)
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert flag in err and value in err and "neither 'smollm2'" not in err
+    assert re.search(named, err) and "neither 'smollm2'" not in err
 
 
 def test_sft_resume_drops_rows_logged_after_the_checkpoint(model_dir: Path, tmp_path: Path) -> None:

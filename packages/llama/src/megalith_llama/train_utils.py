@@ -57,7 +57,8 @@ def _records(path: Path) -> list[tuple[int, str]]:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """Every record (a partial last line skipped, as on resume)."""
+    return [json.loads(line) for _, line in _records(path)]
 
 
 def _write_atomic(path: Path, text: str) -> None:

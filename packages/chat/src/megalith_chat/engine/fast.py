@@ -269,9 +269,7 @@ class FastEngine:
         """Start an L2 prefetch of ``tensors`` on the side stream once the work queued so far has run
         (:mod:`.fast_prefetch`); the step joins the side stream at its end."""
         assert self._side is not None
-        self._side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._side):
-            fast_prefetch.prefetch_l2(tensors)
+        fast_prefetch.prefetch_on(self._side, tensors)
 
     def _decode_body(self, key: StepKey) -> None:
         """One decode step over static buffers (the graph-captured unit; see module doc)."""

@@ -99,3 +99,11 @@ def prefetch_l2(tensors: Sequence[torch.Tensor], kernel: Any = None) -> None:
     (kernel or _kernel())[(programs, len(tensors))](
         base, *offsets[1:], *sizes, CHUNK=CHUNK, N=PER_PROGRAM, num_warps=PER_PROGRAM // 32
     )
+
+
+def prefetch_on(side: torch.cuda.Stream, tensors: Sequence[torch.Tensor]) -> None:
+    """:func:`prefetch_l2` on stream ``side`` once the work queued so far on the current stream has
+    run (inside a graph capture: a fork the caller joins with ``wait_stream(side)``)."""
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        prefetch_l2(tensors)

@@ -51,7 +51,7 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 def write_rng(directory: Path, rank: int) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    torch.save(capture_rng(), directory / f"rng_rank_{rank:05d}.pt")
+    torch.save(capture_rng(), rng_path(directory, rank))
 
 
 def rng_path(directory: Path, rank: int) -> Path:
