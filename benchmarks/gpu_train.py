@@ -33,13 +33,15 @@ SYSTEMS = (
     "hf_compile",
     "hf_liger",
     "megalith",
+    "megalith_cdt",
     "megalith_eager",
     "megalith_mixed",
     "megalith_multi_tensor",
     "kernels_bf16",
 )
 DEFAULT_SYSTEMS = ("hf_eager", "hf_compile", "hf_liger", "megalith", "megalith_eager")
-# megalith_eager: the Booster path without compile; megalith_mixed: with fp32 masters;
+# megalith_cdt: megalith with Inductor's coordinate-descent tuning of its generated kernels
+# (Booster(compile_options={"coordinate_descent_tuning": True})); megalith_eager: the Booster path without compile; megalith_mixed: with fp32 masters;
 # megalith_multi_tensor: megalith_eager with FusedAdamW(multi_tensor=True); kernels_bf16:
 # megalith's kernel policy alone (torch fused AdamW, no Booster) - the like-for-like kernel comparison.
 # Under compile, RMSNorm is left to inductor (fused with the residual add around it) and AdamW runs
@@ -70,8 +72,8 @@ def build(system: str, args: argparse.Namespace, device: torch.device) -> tuple[
     with device:
         model = LlamaForCausalLM(config)
     if system.startswith("megalith"):
-        compile = system in ("megalith", "megalith_mixed") and device.type == "cuda"
-        multi = system in ("megalith", "megalith_multi_tensor") or args.multi_tensor
+        compile = system in ("megalith", "megalith_cdt", "megalith_mixed") and device.type == "cuda"
+        multi = system in ("megalith", "megalith_cdt", "megalith_multi_tensor") or args.multi_tensor
         kernels = args.kernels.split(",") if args.kernels else (COMPILED_KERNELS if compile else True)
         return _megalith(
             model,
@@ -80,6 +82,7 @@ def build(system: str, args: argparse.Namespace, device: torch.device) -> tuple[
             mixed=system == "megalith_mixed",
             multi_tensor=multi,
             kernels=kernels,
+            options={"coordinate_descent_tuning": True} if compile and system == "megalith_cdt" else None,
         )
     model.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
     if system == "kernels_bf16":
@@ -102,14 +105,26 @@ def build(system: str, args: argparse.Namespace, device: torch.device) -> tuple[
 
 
 def _megalith(
-    model: Any, device: torch.device, compile: bool, mixed: bool, multi_tensor: bool, kernels: Any
+    model: Any,
+    device: torch.device,
+    compile: bool,
+    mixed: bool,
+    multi_tensor: bool,
+    kernels: Any,
+    options: dict[str, Any] | None = None,
 ) -> tuple[Any, Any, Any]:
     from megalith.booster import Booster
     from megalith.booster.plugins import ZeroPlugin
     from megalith.kernels import FusedAdamW
 
     precision = "fp32" if device.type != "cuda" else "bf16" if mixed else "bf16-true"
-    booster = Booster(plugin=ZeroPlugin(stage=2), precision=precision, kernels=kernels, compile=compile)
+    booster = Booster(
+        plugin=ZeroPlugin(stage=2),
+        precision=precision,
+        kernels=kernels,
+        compile=compile,
+        compile_options=options,
+    )
     opt = FusedAdamW(model.parameters(), lr=1e-4, weight_decay=0.1, multi_tensor=multi_tensor)
     model, opt, *_ = booster.boost(model, opt)
 
@@ -122,7 +137,9 @@ def _megalith(
 
     weights = {"bf16": "bf16 + fp32 masters", "bf16-true": "bf16"}.get(precision, precision)
     name = "megalith FusedAdamW" + (" (multi-tensor)" if multi_tensor else "")
-    info = {"optimizer": name, "weights": weights, "compile": compile}
+    info = {"optimizer": name, "weights": weights, "compile": compile} | (
+        {"compile_options": options} if options else {}
+    )
     return model, step, info | ({"kernels": sorted(kernels)} if kernels is not True else {})
 
 

@@ -13,6 +13,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from megalith.booster import Booster
 from megalith.booster.plugins import ZeroPlugin
+from megalith.common.errors import ConfigError
 from megalith.policies.sdpa import NAME, restore_sdpa, use_mask_free_causal_sdpa
 
 SMALL = dict(
@@ -119,3 +120,25 @@ def test_booster_compile_switches_the_model():
     plain = _model()
     Booster(plugin=ZeroPlugin(stage=1)).boost(plain, torch.optim.AdamW(plain.parameters()))
     assert plain.config._attn_implementation == "sdpa"
+
+
+def test_booster_compile_options_reach_torch_compile(monkeypatch):
+    seen = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append(kw))
+    model = _model().train()
+    options = {"coordinate_descent_tuning": True}
+    booster = Booster(plugin=ZeroPlugin(stage=1), compile=True, compile_options=options)
+    booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert seen == [{"options": options}]
+    seen.clear()
+    plain = _model().train()
+    Booster(plugin=ZeroPlugin(stage=1), compile=True).boost(plain, torch.optim.AdamW(plain.parameters()))
+    assert seen == [{"options": None}]
+
+
+@pytest.mark.parametrize(
+    ("compile", "options"), [(False, {"coordinate_descent_tuning": True}), (True, ["max_autotune"])]
+)
+def test_booster_compile_options_bad_input(compile, options):
+    with pytest.raises(ConfigError, match=r"compile_options=.*needs compile=True"):
+        Booster(compile=compile, compile_options=options)

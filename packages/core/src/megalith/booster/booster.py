@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -77,13 +77,16 @@ class Booster:
         precision: str | Precision = "fp32",
         kernels: bool | Iterable[str] = False,
         compile: bool = False,
+        compile_options: Mapping[str, Any] | None = None,
     ) -> None:
         """`precision`: "fp32", "bf16" / "fp16" (fp32 master weights; fp16 with loss scaling) or
         "bf16-true" (everything in bf16, no masters; DDPPlugin and ZeroPlugin stages 1-2).
         `kernels=True` swaps megalith's fused kernels into HF Llama/Qwen2/Mistral models
         (`megalith.policies.kernels`), a collection of names (`KERNELS`: "rms_norm", "rope",
         "swiglu", "cross_entropy", "qkv") only those; `compile=True` runs `torch.compile` on the boosted model
-        and leaves plain causal masks of HF models to SDPA's `is_causal` (`megalith.policies.sdpa`)."""
+        and leaves plain causal masks of HF models to SDPA's `is_causal` (`megalith.policies.sdpa`);
+        `compile_options` go to it as Inductor options (`torch.compile(options=...)`, e.g.
+        ``{"coordinate_descent_tuning": True}``)."""
         if plugin is not None and not isinstance(plugin, Plugin):
             raise ConfigError(
                 f"Booster(plugin=...) needs a Plugin instance (e.g. ZeroPlugin(stage=2)), got {plugin!r}"
@@ -105,7 +108,13 @@ class Booster:
             from megalith.policies.kernels import kernel_set
 
             self.kernels = kernel_set(None if kernels is True else kernels)
+        if compile_options is not None and not (compile and isinstance(compile_options, Mapping)):
+            raise ConfigError(
+                f"Booster(compile_options={compile_options!r}) needs compile=True and a mapping of "
+                "Inductor option names to values"
+            )
         self.compile = compile
+        self.compile_options = dict(compile_options or {})
 
     # -- setup ------------------------------------------------------------------------------------
     def boost(
@@ -128,7 +137,8 @@ class Booster:
             use_mask_free_causal_sdpa(model)  # no-op unless an HF model on "sdpa"
         boosted = self.plugin.configure(model, optimizer, self.precision)
         if self.compile:
-            boosted.model.compile()  # in place: parameter names and state_dict keys unchanged
+            options = self.compile_options or None
+            boosted.model.compile(options=options)  # in place: parameter names and state_dict keys unchanged
         if boosted.optimizer is not None:
             self._optimizer_of[boosted.model] = boosted.optimizer
         return boosted.model, boosted.optimizer, criterion, dataloader, lr_scheduler
