@@ -36,6 +36,16 @@ def _broadcast_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch
     )
 
 
+def check_clip(eps_low: float, eps_high: float | None, dual_clip: float | None) -> None:
+    """The clip ranges PPO-clip accepts: ``0 <= eps_low < 1``, ``eps_high >= 0``, ``dual_clip > 1``."""
+    if not 0.0 <= eps_low < 1.0:
+        raise ConfigError(f"need 0 <= eps_low < 1, got eps_low={eps_low}")
+    if eps_high is not None and eps_high < 0.0:
+        raise ConfigError(f"need eps_high >= 0, got eps_high={eps_high}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ConfigError(f"need dual_clip > 1, got dual_clip={dual_clip}")
+
+
 def ppo_clip_token_losses(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -55,13 +65,8 @@ def ppo_clip_token_losses(
     Where a clip is active the token's gradient is exactly zero.
     """
     _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs)
+    check_clip(eps_low, eps_high, dual_clip)
     eps_high = eps_low if eps_high is None else eps_high
-    if not 0.0 <= eps_low < 1.0 or eps_high < 0.0:
-        raise ConfigError(
-            f"need 0 <= eps_low < 1 and eps_high >= 0, got eps_low={eps_low}, eps_high={eps_high}"
-        )
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ConfigError(f"dual_clip must be > 1, got {dual_clip}")
     adv = _broadcast_advantages(advantages, logprobs)
     ratio = torch.exp(logprobs.float() - old_logprobs.float().detach())
     unclipped = -adv * ratio
@@ -125,12 +130,7 @@ class PolicyLossConfig:
     tis_cap: float | None = None
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.eps_low < 1.0:
-            raise ConfigError(f"need 0 <= eps_low < 1, got eps_low={self.eps_low}")
-        if self.eps_high is not None and self.eps_high < 0.0:
-            raise ConfigError(f"need eps_high >= 0, got eps_high={self.eps_high}")
-        if self.dual_clip is not None and self.dual_clip <= 1.0:
-            raise ConfigError(f"need dual_clip > 1, got dual_clip={self.dual_clip}")
+        check_clip(self.eps_low, self.eps_high, self.dual_clip)
         if self.agg_mode not in AGG_MODES:
             raise ConfigError(f"unknown agg_mode {self.agg_mode!r}; expected one of {AGG_MODES}")
         if self.kl_estimator not in ("k1", "k2", "k3"):
