@@ -10,10 +10,7 @@ measures, per projection (qkv, o, gate_up, down) and rows, the microseconds per 
 * ``addmm``: ``y.addmm_(x, W.t())``, the residual add inside the matmul (o and down, the engine's
   current form), and ``addmm_t`` with the transposed storage;
 * ``linear_l2``: ``F.linear`` on one weight 24 times, so that it is read from the L2 cache: the
-  most that loading the weights into L2 ahead of their matmul could gain;
-* ``linear_prefetch``: ``linear`` with the next layer's weight prefetched into L2 on a side stream
-  while the current matmul runs (the fast engine's ``prefetch_weights`` mechanism,
-  ``megalith_chat.engine.fast_prefetch``; sm_90+ only).
+  bound on what keeping the weights in L2 (e.g. prefetching them ahead of their matmul) could gain.
 
 Each variant is captured in a CUDA graph over 24 layers of distinct weights (620 MB, far past the
 L2 cache, as in the decode step) and replayed; time per call = replay time / 24.
@@ -65,20 +62,6 @@ def time_graph(fn: Any, reps: int = 50) -> float:
     return start.elapsed_time(end) / reps * 1e3
 
 
-def prefetched(x: Any, weights: list[Any], side: Any) -> None:
-    """``F.linear(x, w)`` for each weight, the next one prefetched into L2 on a side stream."""
-    import torch
-    import torch.nn.functional as F
-
-    from megalith_chat.engine.fast_prefetch import prefetch_on
-
-    for i, w in enumerate(weights):
-        if i + 1 < len(weights):
-            prefetch_on(side, [weights[i + 1]])
-        F.linear(x, w)
-    torch.cuda.current_stream().wait_stream(side)
-
-
 def variants(name: str, rows: int) -> dict[str, Any]:
     """The formulations of projection ``name`` over ``LAYERS`` weights, each a callable."""
     import torch
@@ -96,11 +79,6 @@ def variants(name: str, rows: int) -> dict[str, Any]:
         "bias": lambda: [F.linear(x, w, zero) for w in weights],
         "linear_l2": lambda: [F.linear(x, weights[0]) for _ in weights],
     }
-    from megalith_chat.engine.fast_prefetch import usable
-
-    if usable(torch.device("cuda")):
-        side = torch.cuda.Stream()
-        out["linear_prefetch"] = lambda: prefetched(x, weights, side)
     if name in RESIDUAL:
         out["addmm"] = lambda: [y.addmm_(x, w.t()) for w in weights]
         out["addmm_t"] = lambda: [y.addmm_(x, w) for w in transposed]

@@ -7,12 +7,10 @@ Each system runs in its own process (``--worker``); the main process measures th
 and writes ``benchmarks/results/gpu_generate_h200.json``. ``fast`` is the engine's default
 configuration (split-KV Triton decode attention, compiled elementwise ops, fused decode prologue,
 CUDA graphs); it is also timed with the QKV prologue as a kernel of its own instead of inside the
-decode attention (``separate_prologue_tokens_per_s``), then as the default again, and with the
-next weights prefetched into L2 (``prefetch_tokens_per_s``, sm_90+; ``prefetch_same_tokens`` checks
-that the same seed gives the same tokens with it), then without again, in the same process.
-``fast_grouped`` is the same engine with ``share_prompts=True`` on ``B / 8`` prompts of 8 samples
-each (GRPO's groups) given as ``generate(..., group=8)``: each prompt is prefilled once and its
-cache slots are read once per group; it also records ``unshared_tokens_per_s``, the same
+decode attention (``separate_prologue_tokens_per_s``), then as the default again, in the same
+process. ``fast_grouped`` is the same engine with ``share_prompts=True`` on ``B / 8`` prompts of
+8 samples each (GRPO's groups) given as ``generate(..., group=8)``: each prompt is prefilled once and
+its cache slots are read once per group; it also records ``unshared_tokens_per_s``, the same
 prompts without ``group``, in the same process, and at the first batch the log-prob error of both
 against a teacher-forced HF forward. ``fast_sdpa`` swaps in SDPA for the decode attention;
 ``fast_nocompile`` / ``fast_eager`` drop the compiled ops / the graphs too.
@@ -203,8 +201,6 @@ def run_fast(args: argparse.Namespace, model: Any, batch: int, mode: str) -> dic
             engine.generate(ids, mask, params)
             seconds = timed(lambda: engine.generate(ids, mask, params), args.device, 3)
             out[f"{name}_tokens_per_s"] = batch * args.new_tokens / seconds
-    if mode == "fast":
-        out |= prefetch_ab(args, engine, ids, mask, params)
     if batch == args.batches[0] and mode == "fast":
         out["check"] = correctness(args, model, engine)
         if args.profile:
@@ -212,32 +208,6 @@ def run_fast(args: argparse.Namespace, model: Any, batch: int, mode: str) -> dic
     if args.profile and group > 1:  # the same step with and without the shared prompt slots
         out["profile"] = decode_profile(args, engine, batch, group)
         out["unshared_profile"] = decode_profile(args, engine, batch)
-    return out
-
-
-def prefetch_ab(args: argparse.Namespace, engine: Any, ids: Any, mask: Any, params: Any) -> dict[str, Any]:
-    """The engine with its next weights prefetched into L2 (``prefetch_weights``), then without
-    again, in this process, each from the same generator seed: tokens/s of each, whether the tokens
-    are the same (a prefetch changes no value) and, with ``--profile``, the prefetching decode step.
-    Empty where the prefetch cannot run (it needs an sm_90+ GPU)."""
-    import torch
-
-    from megalith_chat.engine import fast_prefetch
-
-    if engine.attention != "triton" or not fast_prefetch.usable(engine.device):
-        return {}
-    out: dict[str, Any] = {}
-    tokens = {}
-    for name, on in (("prefetch", True), ("no_prefetch_again", False)):
-        engine.prefetch_weights = on  # graphs are keyed by it: the first call captures
-        seed = torch.Generator(device=engine.device).manual_seed(1)
-        tokens[on] = engine.generate(ids, mask, params, generator=seed).tokens
-        seconds = timed(lambda: engine.generate(ids, mask, params), args.device, 3)
-        out[f"{name}_tokens_per_s"] = ids.shape[0] * args.new_tokens / seconds
-        if on and args.profile:
-            out["prefetch_profile"] = decode_profile(args, engine, ids.shape[0])
-    out["prefetch_same_tokens"] = bool(torch.equal(tokens[True], tokens[False]))
-    engine.prefetch_weights = False
     return out
 
 

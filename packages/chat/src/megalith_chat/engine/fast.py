@@ -24,9 +24,6 @@ Prompts are left-padded to a common width ``P``; row ``r``'s prompt starts at ``
   batch buckets with at least ``SHARE_MIN_PAIRS`` (row, key/value head) pairs: on the H200 it was
   25 % faster at 4096 pairs and even (-2 %, +3 %) at 1024, where the pass over each row's own
   slots is latency-bound (2048 lies between the two measured points).
-* **L2 prefetch** (``prefetch_weights``, an experiment, off by default): a side stream inside the
-  graph prefetches each layer's next weights into L2 while the attention streams the cache
-  (:mod:`.fast_prefetch`).
 * :meth:`FastEngine.update_weights` copies new weights into the existing storage (no re-capture).
 
 Log-probs are ``log softmax(logits / T)[y]`` (see :mod:`.sampling`), the convention of the GRPO
@@ -46,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalith.common.errors import ConfigError
-from megalith_chat.engine import fast_mlp, fast_ops, fast_prefetch, fast_sample
+from megalith_chat.engine import fast_mlp, fast_ops, fast_sample
 from megalith_chat.engine.fast_attention import (
     Prologue,
     choose_attention,
@@ -74,7 +71,6 @@ class StepKey(NamedTuple):
     filtered: bool  # top-k / top-p sampling
     members: int  # rows per shared prompt (1: unshared)
     in_attention: bool  # the attention kernel does the QKV prologue
-    prefetch: bool  # next weights prefetched into L2 on a side stream (:mod:`.fast_prefetch`)
 
 
 @dataclass(frozen=True)
@@ -102,9 +98,6 @@ class FastEngineConfig:
     # Triton attention: a group's prompt is prefilled and read once. None (auto): where it pays
     # (module doc); True: at every batch (warns when unusable); False: never
     share_prompts: bool | None = None
-    # CUDA sm_90+, Triton attention: prefetch each layer's next weights into L2 on a side stream
-    # inside the graph (:mod:`.fast_prefetch`; an experiment, off until measured faster)
-    prefetch_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_len < 2:
@@ -157,9 +150,6 @@ class FastEngine:
         # step's graphs are keyed by it)
         self.prologue_in_attention = self.attention == "triton" and self.fused_prologue
         self.share_prompts = self.config.share_prompts is not False and self._sharing_works()
-        # like prologue_in_attention, a switch benchmarks can flip (part of the graph key)
-        self.prefetch_weights = self.config.prefetch_weights and self._prefetch_works()
-        self._side = torch.cuda.Stream(self.device) if cuda else None
         self._graphs: dict[StepKey, torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
         self.scale = self.shape.head_dim**-0.5
@@ -177,13 +167,6 @@ class FastEngine:
         if error is not None:
             log("shared-prompt decode attention unusable (%s); prompts are not shared", error)
         return error is None
-
-    def _prefetch_works(self) -> bool:
-        """Whether the L2 prefetch of :mod:`.fast_prefetch` can run here (warns why not)."""
-        if self.attention == "triton" and fast_prefetch.usable(self.device):
-            return True
-        logger.warning("prefetch_weights needs the Triton decode attention on an sm_90+ GPU; not prefetching")
-        return False
 
     # ---------------------------------------------------------------- storage
     def reserve(self, max_batch: int, max_len: int) -> None:
@@ -263,24 +246,16 @@ class FastEngine:
     def _key(self, b: int, kv_len: int, filtered: bool, members: int = 1) -> StepKey:
         """What a decode step is captured by: its arguments and the engine's switches."""
         in_attention = self.prologue_in_attention and members == 1
-        return StepKey(b, kv_len, filtered, members, in_attention, self.prefetch_weights)
-
-    def _prefetch(self, *tensors: torch.Tensor) -> None:
-        """Start an L2 prefetch of ``tensors`` on the side stream once the work queued so far has run
-        (:mod:`.fast_prefetch`); the step joins the side stream at its end."""
-        assert self._side is not None
-        fast_prefetch.prefetch_on(self._side, tensors)
+        return StepKey(b, kv_len, filtered, members, in_attention)
 
     def _decode_body(self, key: StepKey) -> None:
         """One decode step over static buffers (the graph-captured unit; see module doc)."""
-        b, kv_len, filtered, members, in_attention, prefetch = key
+        b, kv_len, filtered, members, in_attention = key
         w, s, st, ops = self.weights, self.shape, self.state, self.ops
         x, cos, sin, mask = ops.decode_prelude(
             st.tok[:b], st.slot, st.start[:b], w.embed, self._cos, self._sin, st.arange[:kv_len]
         )
         for i in range(s.layers):
-            if prefetch:  # this layer's weights after its attention, fetched while the attention runs
-                self._prefetch(w.wo[i], w.wgu[i], w.wd[i])
             kc, vc = self.k_cache[i, :b, :, :kv_len], self.v_cache[i, :b, :, :kv_len]
             q: torch.Tensor | Prologue
             if in_attention:  # the attention kernel rotates q and writes k, v itself
@@ -295,21 +270,15 @@ class FastEngine:
                 )
             if self.attention == "triton":
                 attn = decode_attention(
-                    q, kc, vc, st.start[:b], st.slot, self.scale, members=members, prompt_end=st.prompt_end,
-                    evict_first=prefetch,
-                )  # fmt: skip
+                    q, kc, vc, st.start[:b], st.slot, self.scale, members=members, prompt_end=st.prompt_end
+                )
             else:
                 assert isinstance(q, torch.Tensor)
                 attn = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scale)
             x = self._residual(x, attn.reshape(b, -1), w.wo[i], w.bo[i])
-            if prefetch and i + 1 < s.layers:  # the next layer's first weight, during this MLP
-                self._prefetch(w.wqkv[i + 1])
             norm_silu_mul = fast_mlp.norm_silu_mul if self.fused_prologue else ops.norm_silu_mul
             x = self._residual(x, norm_silu_mul(F.linear(x, w.wgu[i]), x, s.eps), w.wd[i], None)
         self._emit(F.linear(ops.rms_norm(x, w.norm, s.eps), w.lm_head), b, filtered)
-        if prefetch:
-            assert self._side is not None
-            torch.cuda.current_stream().wait_stream(self._side)
 
     def _emit(self, logits: torch.Tensor, b: int, filtered: bool) -> None:
         """Sample, mask finished rows, record token + log-prob at column ``ridx``, advance counters."""

@@ -54,14 +54,14 @@ def make_kernels() -> tuple[Any, Any]:  # noqa: PLR0915, C901  (the kernels' bod
 
     # arguments stay unannotated: @triton.jit reads annotations (tl.constexpr) to specialise a kernel
     @triton.jit
-    def partial(q_ptr, k_ptr, v_ptr, start_ptr, slot_ptr, m_ptr, l_ptr, a_ptr,  # type: ignore[no-untyped-def]  # noqa: PLR0915, C901
+    def partial(q_ptr, k_ptr, v_ptr, start_ptr, slot_ptr, m_ptr, l_ptr, a_ptr,  # type: ignore[no-untyped-def]  # noqa: PLR0915
                 sk_b, sk_h, sk_t, kv_heads, kv_len, split_len, num_splits, scale,
                 o_ptr, pend_ptr, split_offset,
                 qkv_ptr, x_ptr, bias_ptr, cos_ptr, sin_ptr, s_qkv, s_x, s_cos, s_sin, hidden, eps,
                 G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr,
                 BN: tl.constexpr, PREC: tl.constexpr, DIRECT: tl.constexpr, PART: tl.constexpr,
                 R: tl.constexpr, BQ: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
-                HAS_BIAS: tl.constexpr, HIDDEN: tl.constexpr, EVICT_FIRST: tl.constexpr):  # fmt: skip
+                HAS_BIAS: tl.constexpr, HIDDEN: tl.constexpr):  # fmt: skip
         # program (R rows x key/value head, split) over PART of the slots: 0 each row's own from
         # start to slot; 1 the prompt slots start .. prompt_end - 1 that a group of R rows shares,
         # read once from its first row; 2 each row's own from prompt_end on
@@ -132,12 +132,8 @@ def make_kernels() -> tuple[Any, Any]:  # noqa: PLR0915, C901  (the kernels' bod
             n = n0 + tl.arange(0, BN)
             ok = (n >= first) & (n < hi)
             offs = base + n[:, None] * sk_t + d[None, :]
-            if EVICT_FIRST:  # leave L2 to the weights prefetched for the next matmuls (.fast_prefetch)
-                k = tl.load(k_ptr + offs, mask=ok[:, None], other=0.0, eviction_policy="evict_first")
-                v = tl.load(v_ptr + offs, mask=ok[:, None], other=0.0, eviction_policy="evict_first")
-            else:
-                k = tl.load(k_ptr + offs, mask=ok[:, None], other=0.0)
-                v = tl.load(v_ptr + offs, mask=ok[:, None], other=0.0)
+            k = tl.load(k_ptr + offs, mask=ok[:, None], other=0.0)
+            v = tl.load(v_ptr + offs, mask=ok[:, None], other=0.0)
             z = tl.where(ok[None, :], tl.dot(q, tl.trans(k), input_precision=PREC) * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(z, axis=1))
             p = tl.exp(z - m_new[:, None])
@@ -238,7 +234,6 @@ def decode_attention(
     launch: dict[str, int] | None = None,
     members: int = 1,
     prompt_end: torch.Tensor | None = None,
-    evict_first: bool = False,
 ) -> torch.Tensor:
     """``q [b, KV, G, D]`` (contiguous), ``k, v [b, KV, >=kv_len, D]`` (last dim contiguous, same
     strides), ``start [b]``, ``slot`` 0-d -> ``[b, KV, G, D]`` attention output (see module doc).
@@ -261,9 +256,6 @@ def decode_attention(
     are then read once per group, from its first row (``partial`` with ``PART=1``); a second
     ``partial`` reads each row's own slots from ``prompt_end`` on and merges the first one's partials
     (see module doc).
-
-    ``evict_first``: the cache is loaded with the evict-first L2 policy (it is read once per step),
-    so that weights prefetched into L2 for the next matmuls stay there (:mod:`.fast_prefetch`).
     """
     import triton
 
@@ -302,7 +294,7 @@ def decode_attention(
     sk = k.stride()
     end = prompt_end if prompt_end is not None else slot
     common = dict(G=group, BG=bg, D=dim, BN=block_n, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                  EVICT_FIRST=evict_first, **(LAUNCH if launch is None else launch))  # fmt: skip
+                  **(LAUNCH if launch is None else launch))  # fmt: skip
     none = dict(ROPE=False, NORM=False, HAS_BIAS=False, HIDDEN=1)
     plain = (q, q, q, q, q, 0, 0, 0, 0, 1, 0.0)  # the Prologue arguments, unused
     if shared:  # the groups' prompt slots, into split entries 0 .. first_splits - 1
