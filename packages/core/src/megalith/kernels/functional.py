@@ -15,11 +15,20 @@ from torch import Tensor
 from megalith.common.errors import ConfigError
 from megalith.kernels import custom_ops as ops
 
+# Device types with an autocast mode, found once here: Dynamo cannot trace
+# `torch.amp.is_autocast_available` in torch 2.11 (one graph break per call inside a compiled step),
+# while `is_autocast_enabled` / `get_autocast_dtype` are constant-folded.
+_AUTOCAST_DEVICES = frozenset(
+    d
+    for d in ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia", "xla", "ipu", "meta")
+    if torch.amp.is_autocast_available(d)
+)
+
 
 def _autocast_dtype(t: Tensor) -> torch.dtype | None:
     """The dtype `torch.autocast` runs a matmul of `t` in (None outside an autocast region)."""
     device = t.device.type
-    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+    if device in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return None
 
