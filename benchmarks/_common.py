@@ -35,6 +35,19 @@ def environment() -> dict[str, Any]:
     return info
 
 
+def card() -> str:
+    """The GPU's short name for result files ("h200", "h100", "a100"; "cuda" if the name has none,
+    "cpu" without a GPU), so that a run on another card never overwrites the H200's figures."""
+    import re
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    found = re.search(r"\b([A-Z]\d{1,3})\b", torch.cuda.get_device_name(0))
+    return found.group(1).lower() if found else "cuda"
+
+
 def write_result(name: str, payload: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / name

@@ -7,7 +7,7 @@ caches (0.37B generation shape: 16 heads of 64; 128-token prompts, the slot at 2
 context of 256 new tokens) in a CUDA graph and times its replay: microseconds per layer, and the
 bandwidth that is (bytes of the valid K/V slots / time).
 
-    python benchmarks/gpu_decode_attention.py      # -> results/gpu_decode_attention_h200.json
+    python benchmarks/gpu_decode_attention.py      # -> results/gpu_decode_attention_<card>.json (h200, h100, ...)
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import write_result
+from _common import card, write_result
 from gpu_decode_gemm import time_graph
 
 LAYERS, HEADS, DIM, SLOT, CACHE = 24, 16, 64, 255, 384
@@ -73,8 +73,8 @@ def main() -> None:
     p.add_argument("--targets", default="512,2048", help="target_programs values to try (default: 512,2048)")
     p.add_argument(
         "--out",
-        default="gpu_decode_attention_h200.json",
-        help="result file (under benchmarks/results/ unless a path)",
+        default=None,
+        help="result file (under benchmarks/results/ unless a path; default gpu_decode_attention_<card>.json)",
     )
     args = p.parse_args()
 
@@ -90,7 +90,7 @@ def main() -> None:
         timed = [r for r in runs if "us" in r]
         result["rows"][rows] = {"best": min(timed, key=lambda r: r["us"]) if timed else None, "runs": runs}
         print(rows, "best", result["rows"][rows]["best"], flush=True)
-    print("wrote", write_result(args.out, result))
+    print("wrote", write_result(args.out or f"gpu_decode_attention_{card()}.json", result))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ measures, per projection (qkv, o, gate_up, down) and rows, the microseconds per 
 Each variant is captured in a CUDA graph over 24 layers of distinct weights (620 MB, far past the
 L2 cache, as in the decode step) and replayed; time per call = replay time / 24.
 
-    python benchmarks/gpu_decode_gemm.py            # rows 64 and 256 -> results/gpu_decode_gemm_h200.json
+    python benchmarks/gpu_decode_gemm.py            # rows 64 and 256 -> results/gpu_decode_gemm_<card>.json (h200, h100, ...)
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import write_result
+from _common import card, write_result
 
 HIDDEN, INTER, QKV, LAYERS = 1024, 2816, 3 * 1024, 24
 SHAPES = {
@@ -100,15 +100,15 @@ def main() -> None:
     p.add_argument("--rows", default="64,256", help="comma-separated row counts (default: 64,256)")
     p.add_argument(
         "--out",
-        default="gpu_decode_gemm_h200.json",
-        help="result file (under benchmarks/results/ unless a path)",
+        default=None,
+        help="result file (under benchmarks/results/ unless a path; default gpu_decode_gemm_<card>.json)",
     )
     args = p.parse_args()
     result = {
         "unit": "microseconds per call, graph-replayed over 24 layers of distinct weights",
         "rows": {r: measure(int(r)) for r in args.rows.split(",")},
     }
-    print("wrote", write_result(args.out, result))
+    print("wrote", write_result(args.out or f"gpu_decode_gemm_{card()}.json", result))
 
 
 if __name__ == "__main__":

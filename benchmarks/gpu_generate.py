@@ -4,7 +4,7 @@ Model: a randomly initialised Llama of the 0.37B shape (hidden 1024, intermediat
 16 heads = 16 KV heads, vocab 32000, untied head) in bfloat16; prompts of 128 random tokens, 256
 new tokens, sampling at temperature 1 (no top-k/top-p), no EOS, so every row decodes all 256.
 Each system runs in its own process (``--worker``); the main process measures the copy bandwidth
-and writes ``benchmarks/results/gpu_generate_h200.json``. ``fast`` is the engine's default
+and writes ``benchmarks/results/gpu_generate_<card>.json`` (``h200``, ``h100``, ...). ``fast`` is the engine's default
 configuration (split-KV Triton decode attention, compiled elementwise ops, fused decode prologue,
 CUDA graphs); it is also timed with the QKV prologue as a kernel of its own instead of inside the
 decode attention (``separate_prologue_tokens_per_s``), then as the default again, in the same
@@ -43,7 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import RESULTS, emit_result, environment, run_child
+from _common import RESULTS, card, emit_result, environment, run_child
 
 SYSTEMS = (
     "fast",
@@ -463,7 +463,7 @@ def main() -> None:
     p.add_argument(
         "--out",
         default=None,
-        help="result JSON (default: benchmarks/results/gpu_generate_<h200|cpu_tiny>.json)",
+        help="result JSON (default: benchmarks/results/gpu_generate_<card: h200, h100, ...|cpu_tiny>.json)",
     )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -481,7 +481,8 @@ def run_all(args: argparse.Namespace) -> None:
     out = (
         Path(args.out)
         if args.out
-        else RESULTS / ("gpu_generate_h200.json" if args.device == "cuda" else "gpu_generate_cpu_tiny.json")
+        else RESULTS
+        / (f"gpu_generate_{card()}.json" if args.device == "cuda" else "gpu_generate_cpu_tiny.json")
     )
     bw = copy_bandwidth(args.device, 0.25 if args.tiny else 2.0)
     payload: dict[str, Any] = {

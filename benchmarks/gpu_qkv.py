@@ -12,7 +12,7 @@ hidden 2048, 16384 tokens = the 8 × 2048 batch of `gpu_train.py`, bf16) this ti
 Milliseconds per call: `triton.testing.do_bench` on a GPU; on CPU (`--device cpu`, tiny shapes,
 a smoke test) the median wall clock of 20 calls.
 
-    python benchmarks/gpu_qkv.py               # writes results/gpu_qkv_h200.json
+    python benchmarks/gpu_qkv.py               # writes results/gpu_qkv_<card>.json (h200, h100, ...)
     python benchmarks/gpu_qkv.py --device cpu  # writes results/gpu_qkv_cpu.json
 """
 
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_result
+from _common import card, write_result
 
 GROUPS = {"qkv": (2048, 256, 256), "gate_up": (5632, 5632)}  # TinyLlama-1.1B output widths
 TOKENS, HIDDEN = 16384, 2048
@@ -98,7 +98,9 @@ def main() -> None:
     parser.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu"
     )
-    parser.add_argument("--out", default=None, help="results file name (default gpu_qkv_{h200,cpu}.json)")
+    parser.add_argument(
+        "--out", default=None, help="results file name (default gpu_qkv_<card: h200, h100, ...|cpu>.json)"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -107,7 +109,7 @@ def main() -> None:
     rows = {name: measure(outs, tokens, hidden, device) for name, outs in groups.items()}
     for name, row in rows.items():
         print(name, {k: round(v, 4) for k, v in row.items()}, flush=True)
-    out = args.out or f"gpu_qkv_{'h200' if cuda else 'cpu'}.json"
+    out = args.out or f"gpu_qkv_{card() if cuda else 'cpu'}.json"
     path = write_result(out, {"tokens": tokens, "hidden": hidden, "outputs": groups, "groups": rows})
     print(f"wrote {path}")
 

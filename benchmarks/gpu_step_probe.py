@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_train
-from _common import emit_result, run_child, write_result
+from _common import card, emit_result, run_child, write_result
 
 KINDS = (
     ("matmul", ("nvjet", "gemm", "cutlass", "splitk")),
@@ -227,7 +227,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900, help="seconds per system process")
     parser.add_argument("--child", choices=gpu_train.SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument(
-        "--out", default=None, help="result file under benchmarks/results/ (default gpu_step_probe_h200.json)"
+        "--out",
+        default=None,
+        help="result file under benchmarks/results/ (default gpu_step_probe_<card: h200, h100, ...>.json)",
     )
     args = parser.parse_args()
     args.batch = args.batch or (2 if args.tiny else 8)
@@ -261,7 +263,9 @@ def main() -> None:
                   f"sync calls: {rows[-1]['sync_calls']}", flush=True)  # fmt: skip
         for gap in rows[-1].get("gap_causes", {}).get("largest", []):
             print(f"  gap {gap}", flush=True)
-    name = args.out or ("gpu_step_probe_h200.json" if args.device == "cuda" else "gpu_step_probe_cpu.json")
+    name = args.out or (
+        f"gpu_step_probe_{card()}.json" if args.device == "cuda" else "gpu_step_probe_cpu.json"
+    )
     payload = {"batch": args.batch, "seq": args.seq, "warmup": args.warmup, "systems": rows}
     print(f"wrote {write_result(name, payload)}")
 

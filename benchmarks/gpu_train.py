@@ -10,7 +10,7 @@ parameters but the input embedding (the untied LM head counts). Every system tra
 `precision="bf16-true"` and `megalith.kernels.FusedAdamW`. `megalith_mixed` is the same Booster with
 fp32 master weights and states (`precision="bf16"`) for reference.
 
-    python benchmarks/gpu_train.py                       # GPU, writes results/gpu_train_h200.json
+    python benchmarks/gpu_train.py                       # GPU, writes results/gpu_train_<card>.json (h200, h100, ...)
     python benchmarks/gpu_train.py --device cpu --tiny   # smoke test (tiny shape, eager + megalith)
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit_result, run_child, write_result
+from _common import card, emit_result, run_child, write_result
 
 PEAK_FLOPS = 768e12  # measured bf16 dense matmul ceiling of one H200 (see the project's issue)
 SYSTEMS = (
@@ -193,9 +193,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def parent(args: argparse.Namespace) -> list[dict[str, Any]]:
+def parent(args: argparse.Namespace, save: Any) -> list[dict[str, Any]]:
+    """Each system in its own process; ``save(rows, done)`` after each (a cut-off run keeps its rows)."""
     systems = args.systems or (DEFAULT_SYSTEMS if args.device == "cuda" else ("hf_eager", "megalith"))
-    rows = []
+    rows: list[dict[str, Any]] = []
     for system in systems:
         cmd = [sys.executable, __file__, "--child", system, *_forward_args(args)]
         t0 = time.perf_counter()
@@ -207,6 +208,7 @@ def parent(args: argparse.Namespace) -> list[dict[str, Any]]:
             print(proc.stderr[-9000:], flush=True)
         rows.append(row)
         print(_fmt(row), flush=True)
+        save(rows, len(rows) == len(systems))
     return rows
 
 
@@ -264,11 +266,16 @@ def main() -> None:
     if args.child:
         emit_result(child(args.child, args))
         return
-    rows = parent(args)
-    name = args.out or ("gpu_train_h200.json" if args.device == "cuda" else "gpu_train_cpu.json")
+    name = args.out or (f"gpu_train_{card()}.json" if args.device == "cuda" else "gpu_train_cpu.json")
     payload = {"batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
-               "peak_flops": PEAK_FLOPS, "systems": rows}  # fmt: skip
-    print(f"wrote {write_result(name, payload)}")
+               "peak_flops": PEAK_FLOPS}  # fmt: skip
+
+    def save(rows: list[dict[str, Any]], done: bool) -> None:
+        path = write_result(name, payload | {"systems": rows, "complete": done})
+        if done:
+            print(f"wrote {path}")
+
+    parent(args, save)
 
 
 if __name__ == "__main__":
