@@ -238,6 +238,7 @@ class _FakeModel:
 
     def generate(self, **kwargs: Any) -> Any:
         torch = require("torch")
+        self.kwargs = kwargs
         if self.mode == "fail":
             raise ValueError("max_new_tokens must be greater than 0")
         if self.mode == "hang":

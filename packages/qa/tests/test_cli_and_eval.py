@@ -76,6 +76,14 @@ def test_non_loopback_host_requires_api_key() -> None:
     assert main(["--host", "10.1.2.3"]) == 2
 
 
+def test_no_repeat_ngram_flag_reaches_the_config_and_is_checked() -> None:
+    assert make_config(parse_args([])).server.no_repeat_ngram == 6
+    assert make_config(parse_args(["--no-repeat-ngram", "0"])).server.no_repeat_ngram == 0
+    with pytest.raises(ConfigError, match="--no-repeat-ngram must be 0 \\(off\\) or >= 2, got 1"):
+        make_config(parse_args(["--no-repeat-ngram", "1"]))
+    assert main(["--no-repeat-ngram", "-3"]) == 2
+
+
 def test_cli_ingest_then_reingest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     doc = tmp_path / "otters.md"
     doc.write_text("Sea otters hold hands while they sleep.")

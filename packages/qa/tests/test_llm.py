@@ -15,10 +15,12 @@ from megalith_qa.llm import (
     ExtractiveGenerator,
     GenerationError,
     GenerationRequest,
+    NoRepeatInAnswer,
     SmolLMGenerator,
     build_prompt,
     finish_reason_of,
     make_generator,
+    repeating_tokens,
 )
 from megalith_qa.memory import approx_tokens
 
@@ -187,3 +189,49 @@ def test_abandoned_conversion_folders_are_removed(tmp_path: Path) -> None:
         _FakeSaver({"config.json": "{}"}), _FakeSaver({"tokenizer.json": "t"}), target
     )
     assert not dead.exists() and (target / COMPLETE_MARKER).is_file()
+
+
+@pytest.mark.parametrize(
+    ("answer", "n", "banned"),
+    [
+        ([5, 6, 7, 5, 6], 3, [7]),  # "5 6" was followed by 7
+        ([5, 6, 7, 5, 6], 2, [7]),  # "6" was followed by 7
+        ([1, 2, 1, 2, 1], 2, [2, 2]),  # "1" was followed by 2, twice
+        ([5, 6, 7, 5, 6], 4, []),  # "7 5 6" not seen before
+        ([5, 6], 3, []),  # shorter than n
+    ],
+)
+def test_repeating_tokens_by_hand(answer: list[int], n: int, banned: list[int]) -> None:
+    assert repeating_tokens(answer, n) == banned
+
+
+def test_no_repeat_in_answer_leaves_the_prompt_quotable() -> None:
+    torch = require("torch")
+    # prompt "5 6 8", answer "5 6 7 5 6": only 7 (the answer's own "5 6 7") is banned, not the
+    # prompt's 8; a second row without a repeat is left alone
+    ids = torch.tensor([[5, 6, 8, 5, 6, 7, 5, 6], [5, 6, 8, 1, 2, 3, 4, 5]])
+    scores = torch.zeros(2, 10)
+    out = NoRepeatInAnswer(prompt_len=3, n=3)(ids, scores.clone())
+    assert out[0, 7] == -float("inf")
+    assert torch.isfinite(out[0, [i for i in range(10) if i != 7]]).all()
+    assert torch.equal(out[1], scores[1])
+
+
+@pytest.mark.parametrize("n", [6, 0])
+def test_smollm_passes_the_no_repeat_processor(fake_smollm: FakeSmolLM, n: int) -> None:
+    gen, model = fake_smollm("ok", no_repeat_ngram=n)
+    req = GenerationRequest(question="q?", contexts=(_ctx("Some text."),), max_new_tokens=3)
+    assert "".join(gen.stream(req))
+    processors = model.kwargs.get("logits_processor")
+    if n == 0:
+        assert processors is None
+    else:
+        (proc,) = processors
+        assert isinstance(proc, NoRepeatInAnswer)
+        assert (proc.n, proc.prompt_len) == (n, model.kwargs["input_ids"].shape[-1])
+
+
+@pytest.mark.parametrize("bad", [1, -2])
+def test_no_repeat_ngram_refuses_one_and_negatives(bad: int) -> None:
+    with pytest.raises(ConfigError, match=f"no_repeat_ngram must be 0 \\(off\\) or >= 2, got {bad}"):
+        SmolLMGenerator(no_repeat_ngram=bad)

@@ -34,7 +34,8 @@ DESCRIPTION = (
 )
 EPILOG = """\
 `qa-serve` with no command, or with only options, runs `serve`. The server's options
-(--host, --port, --api-key, --llm, --max-upload-mb, --max-new-tokens, --no-builtin, --data-dir,
+(--host, --port, --api-key, --llm, --max-upload-mb, --max-new-tokens, --no-repeat-ngram,
+--no-builtin, --data-dir,
 --chroma-url, --embedder, --log-level) are listed by:
 
   qa-serve serve --help
@@ -152,6 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="default answer length limit in tokens, >= 1 (default 128; a request's max_tokens overrides it)",
     )
     serve.add_argument(
+        "--no-repeat-ngram",
+        type=int,
+        default=6,
+        metavar="N",
+        help="SmolLM2 never repeats an N-token sequence of its own answer (quoting the passages stays "
+        "allowed); stops greedy decoding's loops (default 6; 0 turns it off)",
+    )
+    serve.add_argument(
         "--no-builtin", action="store_true", help="do not ingest the built-in knowledge base at start"
     )
     ingest = sub.add_parser("ingest", help="add files or folders to the knowledge base")
@@ -190,6 +199,7 @@ def make_config(ns: argparse.Namespace, llm: str = "extractive") -> QAConfig:
         api_key=getattr(ns, "api_key", None),
         max_upload_bytes=max_upload_bytes,
         max_new_tokens=getattr(ns, "max_new_tokens", 128),
+        no_repeat_ngram=getattr(ns, "no_repeat_ngram", 6),
     )
     return QAConfig(
         data_dir=resolve_data_dir(ns.data_dir),

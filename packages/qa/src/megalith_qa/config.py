@@ -108,6 +108,7 @@ class ServerConfig:
     api_key: str | None = None
     max_upload_bytes: int = 10 * 1024 * 1024
     max_new_tokens: int = 128
+    no_repeat_ngram: int = 6  # SmolLM2 never repeats an n-gram of its own answer (0: off)
 
     def __post_init__(self) -> None:
         if not is_loopback(self.host) and not self.api_key:
@@ -118,6 +119,8 @@ class ServerConfig:
             raise ConfigError(f"max_upload_bytes must be >= 1, got {self.max_upload_bytes}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.no_repeat_ngram < 0 or self.no_repeat_ngram == 1:
+            raise ConfigError(f"--no-repeat-ngram must be 0 (off) or >= 2, got {self.no_repeat_ngram}")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Generator as PyGenerator
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,11 +207,18 @@ class SmolLMGenerator:
     name = "smollm2"
 
     def __init__(
-        self, cache_dir: Path | None = None, stall_timeout_s: float = 120.0, poll_s: float = 0.5
+        self,
+        cache_dir: Path | None = None,
+        stall_timeout_s: float = 120.0,
+        poll_s: float = 0.5,
+        no_repeat_ngram: int = 6,
     ) -> None:
         if not stall_timeout_s > 0 or not poll_s > 0:
             raise ConfigError(f"timeouts must be > 0, got stall_timeout_s={stall_timeout_s} poll_s={poll_s}")
+        if no_repeat_ngram < 0 or no_repeat_ngram == 1:
+            raise ConfigError(f"no_repeat_ngram must be 0 (off) or >= 2, got {no_repeat_ngram}")
         self.cache_dir = cache_dir
+        self.no_repeat_ngram = no_repeat_ngram
         self.stall_timeout_s = stall_timeout_s
         self.poll_s = poll_s
         self._model: Any = None
@@ -297,6 +304,8 @@ class SmolLMGenerator:
             stopping_criteria=_cancel_criteria(transformers, cancel),
         )
         prompt_len = int(inputs["input_ids"].shape[-1])
+        if self.no_repeat_ngram:
+            kwargs["logits_processor"] = [NoRepeatInAnswer(prompt_len, self.no_repeat_ngram)]
         done: Future[str] = Future()
 
         def run() -> None:
@@ -354,9 +363,35 @@ class SmolLMGenerator:
         return "".join(self.stream(request)).strip()
 
 
-def make_generator(kind: str, cache_dir: Path | None = None) -> Generator:
+def repeating_tokens(answer: Sequence[int], n: int) -> list[int]:
+    """The tokens that would complete an ``n``-gram already in ``answer`` (its last ``n - 1``
+    tokens seen before, followed by each of them)."""
+    if n < 2 or len(answer) < n:
+        return []
+    tail = list(answer[len(answer) - n + 1 :])
+    return [answer[i + n - 1] for i in range(len(answer) - n + 1) if list(answer[i : i + n - 1]) == tail]
+
+
+class NoRepeatInAnswer:
+    """Logits processor: no ``n``-gram twice within the answer. Greedy decoding of a small model
+    falls into loops ("It is used to ... It is used to ..."); HF's ``no_repeat_ngram_size`` would
+    also ban every n-gram of the prompt, i.e. quoting the passages, and ``repetition_penalty`` pushes
+    the answer away from the passages' words (both tried: the answers left the context)."""
+
+    def __init__(self, prompt_len: int, n: int) -> None:
+        self.prompt_len, self.n = prompt_len, n
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        for row in range(input_ids.shape[0]):
+            banned = repeating_tokens(input_ids[row, self.prompt_len :].tolist(), self.n)
+            if banned:
+                scores[row, banned] = -float("inf")
+        return scores
+
+
+def make_generator(kind: str, cache_dir: Path | None = None, no_repeat_ngram: int = 6) -> Generator:
     if kind == "extractive":
         return ExtractiveGenerator()
     if kind == "smollm2":
-        return SmolLMGenerator(cache_dir)
+        return SmolLMGenerator(cache_dir, no_repeat_ngram=no_repeat_ngram)
     raise ConfigError(f"unknown --llm {kind!r}; choose 'smollm2' or 'extractive'")

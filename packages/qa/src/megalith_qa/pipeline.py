@@ -144,5 +144,7 @@ def build_pipeline(
 ) -> QAPipeline:
     emb = make_embedder(embedder) if isinstance(embedder, str) else embedder
     kb = build_knowledge_base(config, emb)
-    gen = generator or make_generator(config.llm, Path(config.data_dir) / "models")
+    gen = generator or make_generator(
+        config.llm, Path(config.data_dir) / "models", no_repeat_ngram=config.server.no_repeat_ngram
+    )
     return QAPipeline(kb, gen, config)
