@@ -14,7 +14,7 @@ from megalith.common.errors import DataError
 from megalith_chat.engine import driver
 from megalith_chat.engine.config import EngineConfig, GRPORunConfig, PromptSource
 from megalith_chat.engine.driver import GRPOEngine
-from megalith_chat.metrics import read_metrics, truncate_metrics
+from megalith_chat.metrics import MetricsWriter, read_metrics, truncate_metrics
 
 
 def _write_rows(path: Path, steps: list[int], tail: str = "") -> None:
@@ -30,6 +30,17 @@ def test_truncate_metrics_keeps_rows_before_the_resumed_step(tmp_path: Path) -> 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temporary file left
     assert truncate_metrics(tmp_path / "absent.jsonl", 2) == 0
     assert not (tmp_path / "absent.jsonl").exists()
+
+
+def test_metrics_writer_from_step_starts_fresh_or_continues(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    _write_rows(path, [0, 1, 2])
+    writer = MetricsWriter.from_step(path, 2)  # resume at step 2: rows 0, 1 kept, then appended
+    writer.write({"step": 2, "reward_mean": 7.0})
+    writer.close()
+    assert [(r["step"], r["reward_mean"]) for r in read_metrics(path)] == [(0, 0.0), (1, 1.0), (2, 7.0)]
+    MetricsWriter.from_step(path, 0).close()  # a run from step 0 starts a fresh file
+    assert read_metrics(path) == []
 
 
 def test_grpo_resume_rewrites_metrics_and_summarises_the_whole_run(

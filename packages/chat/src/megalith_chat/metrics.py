@@ -22,6 +22,14 @@ class MetricsWriter:
         self._f = open(self.path, "a" if append else "w", encoding="utf-8")
         self.rows: list[dict[str, Any]] = []
 
+    @classmethod
+    def from_step(cls, path: str | Path, first_step: int) -> MetricsWriter:
+        """A writer for a run that starts at ``first_step``: a fresh file at step 0; on a resume the
+        rows of the steps that run again are dropped (:func:`truncate_metrics`) and the rest kept."""
+        if first_step > 0:
+            truncate_metrics(path, first_step)
+        return cls(path, append=first_step > 0)
+
     def write(self, row: Mapping[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         self.rows.append(clean)

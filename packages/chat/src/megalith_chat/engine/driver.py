@@ -34,7 +34,7 @@ from megalith_chat.engine.cluster import check_watched, kill_all, start_ray, wai
 from megalith_chat.engine.config import GRPORunConfig
 from megalith_chat.engine.prompts import eval_prompts, load_prompts
 from megalith_chat.messages import RolloutBatch
-from megalith_chat.metrics import MetricsWriter, plot_reward_curve, read_metrics, truncate_metrics
+from megalith_chat.metrics import MetricsWriter, plot_reward_curve, read_metrics
 from megalith_chat.modeling import resolve_model
 from megalith_chat.rollout.batching import RolloutBuffer
 from megalith_chat.rollout.weight_sync import SyncGroupSpec
@@ -255,9 +255,7 @@ class GRPOEngine:
 
     def _loop(self, first: int, start: float) -> RunSummary:
         cfg = self.config
-        if first > 0:  # steps logged after the checkpoint are trained again: drop their rows
-            truncate_metrics(self.out / "metrics.jsonl", first)
-        writer = MetricsWriter(self.out / "metrics.jsonl", append=first > 0)
+        writer = MetricsWriter.from_step(self.out / "metrics.jsonl", first)
         buffer = RolloutBuffer(cfg.prompts_per_step, cfg.engine.max_staleness)
         bar = _progress(cfg.steps, first) if self.progress else None
         try:

@@ -22,7 +22,7 @@ from torch import nn
 from megalith.booster import Booster
 from megalith.common.errors import ConfigError
 from megalith.distributed import rank as dist_rank
-from megalith_chat.metrics import MetricsWriter, truncate_metrics
+from megalith_chat.metrics import MetricsWriter
 from megalith_chat.trainer.setup import all_reduce_mean, dp_info
 
 logger = logging.getLogger(__name__)
@@ -82,9 +82,7 @@ def train_loop(
         first = int(booster.load_state(ckpt, model, optimizer, dataloader=loader)["step"]) + 1
         logger.warning("resumed from %s at step %d", ckpt, first)
     main = dist_rank() == 0
-    if main and first > 0:  # steps logged after the checkpoint run again: drop their rows
-        truncate_metrics(out / "metrics.jsonl", first)
-    writer = MetricsWriter(out / "metrics.jsonl", append=first > 0) if main else None
+    writer = MetricsWriter.from_step(out / "metrics.jsonl", first) if main else None
     _, _, group = dp_info(booster)
     bar = _bar(config.steps, first) if progress and main else None
     stream = _batches(loader)
