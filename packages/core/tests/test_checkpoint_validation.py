@@ -13,6 +13,7 @@ from torch import nn
 
 from megalith.booster import Booster
 from megalith.booster.plugins import DDPPlugin, FSDPPlugin, ZeroPlugin
+from megalith.checkpoint import atomic
 from megalith.common.errors import CheckpointError
 from megalith.testing import run_distributed
 
@@ -225,3 +226,22 @@ def test_two_crashes_in_commit_leave_a_loadable_checkpoint(tmp_path: Path, monke
     commit(ck)
     assert (resolve(ck) / "v").read_text() == "4"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_write_text_replaces_the_file_or_leaves_it(tmp_path, monkeypatch):
+    """`atomic.write_text`: the new content in place and no temporary file; if the rename fails,
+    the old content stays and the temporary file is gone."""
+    path = tmp_path / "sub" / "eval.json"
+    atomic.write_text(path, "old\n")
+    atomic.write_text(path, "new\n")
+    assert path.read_text() == "new\n"
+    assert [p.name for p in path.parent.iterdir()] == ["eval.json"]
+
+    def fail(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(atomic.os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        atomic.write_text(path, "newer\n")
+    assert path.read_text() == "new\n"
+    assert [p.name for p in path.parent.iterdir()] == ["eval.json"]

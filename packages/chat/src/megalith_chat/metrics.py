@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from megalith.checkpoint import atomic
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +69,7 @@ def truncate_metrics(path: str | Path, first_step: int) -> int:
                 kept.append(line if line.endswith("\n") else line + "\n")
             else:
                 dropped += 1
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text("".join(kept), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic.write_text(path, "".join(kept))
     if dropped:
         logger.warning(
             "%s: dropped %d rows logged after the checkpoint (step >= %d)", path, dropped, first_step

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -13,6 +12,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+
+from megalith.checkpoint import atomic
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ class MetricsLog:
         path.parent.mkdir(parents=True, exist_ok=True)
         if truncate_after is not None and truncate_after > 0 and path.exists():
             kept = [line for step, line in _records(path) if step <= truncate_after]
-            _write_atomic(path, "".join(line + "\n" for line in kept))
+            atomic.write_text(path, "".join(line + "\n" for line in kept))
         elif not truncate_after and path.exists():
             path.unlink()
 
@@ -59,12 +60,6 @@ def _records(path: Path) -> list[tuple[int, str]]:
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """Every record (a partial last line skipped, as on resume)."""
     return [json.loads(line) for _, line in _records(path)]
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def latest_checkpoint(root: Path) -> Path | None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from importlib import resources
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from megalith.checkpoint import atomic
 from megalith.common.errors import DataError
 from megalith_qa.ingest.builtin import PYDOC_PREFIX
 from megalith_qa.retrieval import MODES, HybridRetriever
@@ -134,13 +134,4 @@ def to_json(scores: Sequence[ModeScores], extra: dict[str, object] | None = None
 def write_json(path: Path, data: object) -> None:
     """Write `data` as indented JSON atomically: a temporary file beside `path`, flushed to disk, then
     `os.replace`d over it, so neither a reader nor a crash ever sees a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with tmp.open("w", encoding="utf-8") as fh:
-            fh.write(json.dumps(data, indent=2) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic.write_text(path, json.dumps(data, indent=2) + "\n")

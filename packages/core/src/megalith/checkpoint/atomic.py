@@ -86,3 +86,21 @@ def resolve(path: str | os.PathLike[str]) -> Path:
     if old.exists():
         return old
     raise CheckpointError(f"checkpoint {final} does not exist")
+
+
+def write_text(path: str | os.PathLike[str], text: str) -> Path:
+    """Replace the file `path` with `text` atomically: a temporary file beside it, flushed to disk,
+    then `os.replace`d over it, so a reader or a crash sees the old content or the new, never a
+    half-written file. The temporary file is removed if anything fails."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
