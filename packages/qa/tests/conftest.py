@@ -191,6 +191,33 @@ def free_port_factory() -> Callable[[], int]:
 
 
 @pytest.fixture
+def serve_app() -> Iterator[Callable[[object], str]]:
+    """`serve_app(app)` runs the ASGI app with uvicorn on a free loopback port in a thread and
+    returns its base URL; every server started is stopped at the end of the test."""
+    import uvicorn
+
+    servers: list[tuple[Any, threading.Thread]] = []
+
+    def start(app: object) -> str:
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))  # type: ignore[arg-type]
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        servers.append((server, thread))
+        deadline = time.monotonic() + 20
+        while not server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.05)
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for server, thread in servers:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture
 def make_pipeline(tmp_path: Path) -> Callable[..., object]:
     """Build a QAPipeline on an embedded database with the hashing embedder and the extractive generator."""
     from megalith_qa.config import QAConfig, ServerConfig
@@ -229,11 +256,13 @@ class _FakeTokenizer:
 
 class _FakeModel:
     """Stands in for SmolLM2: `mode` 'fail' raises like transformers does for max_new_tokens=0, 'hang' never
-    produces a token (until released), 'ok' streams `max_new_tokens` tokens without an end-of-sequence."""
+    produces a token (until released), 'ok' streams `max_new_tokens` tokens without an end-of-sequence,
+    'slow' streams one every 50 ms and stops when the stopping criteria say so (`stopped_after` tokens)."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
         self.release = threading.Event()
+        self.stopped_after: int | None = None
         self.generation_config = type("GC", (), {"eos_token_id": 0})()
 
     def generate(self, **kwargs: Any) -> Any:
@@ -246,6 +275,17 @@ class _FakeModel:
             return kwargs["input_ids"]
         streamer, prompt = kwargs["streamer"], kwargs["input_ids"]
         streamer.put(prompt)
+        if self.mode == "slow":
+            ids = prompt
+            for i in range(kwargs["max_new_tokens"]):
+                if bool(kwargs["stopping_criteria"](ids, None).all()):
+                    self.stopped_after = i
+                    break
+                time.sleep(0.05)
+                ids = torch.cat([ids, torch.tensor([[i + 1]])], dim=1)
+                streamer.put(ids[:, -1])
+            streamer.end()
+            return ids
         new = torch.arange(1, kwargs["max_new_tokens"] + 1).unsqueeze(0)
         for i in range(new.shape[1]):
             streamer.put(new[:, i])

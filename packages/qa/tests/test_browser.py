@@ -3,9 +3,7 @@ asks a question, sees the answer stream in with a citation, uploads a file."""
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,27 +23,10 @@ FLAGS = [
 
 
 @pytest.fixture
-def live_server(make_pipeline: Callable[..., object], free_port_factory: Callable[[], int]) -> Iterator[str]:
-    import uvicorn
-
+def live_server(make_pipeline: Callable[..., object], serve_app: Callable[[object], str]) -> str:
     from megalith_qa.server import create_app
 
-    port = free_port_factory()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(make_pipeline()), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        if time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    return serve_app(create_app(make_pipeline()))
 
 
 def test_page_asks_streams_cites_and_uploads(live_server: str, tmp_path: Path) -> None:

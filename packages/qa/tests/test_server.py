@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import httpx
@@ -341,3 +342,27 @@ def test_failing_generation_ends_the_request(
             json={"messages": [{"role": "user", "content": "capital?"}], "stream": True},
         ) as stream:
             list(stream.iter_lines())
+
+
+@pytest.mark.timeout(60)
+def test_client_disconnect_stops_the_generation(
+    make_pipeline: Callable[..., object],
+    fake_smollm: Callable[..., tuple[object, object]],
+    serve_app: Callable[[object], str],
+) -> None:
+    """A streaming client that goes away after the first piece: the generation stops within a few
+    tokens (its stopping criterion sees the cancel) instead of running to max_tokens."""
+    gen, model = fake_smollm("slow")
+    url = serve_app(create_app(make_pipeline(generator=gen)))
+    body = {"messages": [{"role": "user", "content": "tea?"}], "stream": True, "max_tokens": 400}
+    with (
+        httpx.Client(timeout=10) as http,
+        http.stream("POST", f"{url}/v1/chat/completions", json=body) as resp,
+    ):
+        for line in resp.iter_lines():
+            if '"content"' in line:
+                break  # the first piece arrived: hang up
+    deadline = time.monotonic() + 15
+    while model.stopped_after is None and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        time.sleep(0.05)
+    assert model.stopped_after is not None and model.stopped_after < 100  # type: ignore[attr-defined]

@@ -18,8 +18,8 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from collections.abc import Generator as PyGenerator
-from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,9 +69,12 @@ class GenerationStream(Iterator[str]):
     once the stream is exhausted. A generator function passed as `pieces` may `return` the reason.
     """
 
-    def __init__(self, pieces: Iterable[str], finish_reason: str = "stop") -> None:
+    def __init__(
+        self, pieces: Iterable[str], finish_reason: str = "stop", on_close: Callable[[], None] | None = None
+    ) -> None:
         self._pieces = iter(pieces)
         self.finish_reason = finish_reason
+        self._on_close = on_close
 
     def __iter__(self) -> GenerationStream:
         return self
@@ -85,9 +88,16 @@ class GenerationStream(Iterator[str]):
             raise
 
     def close(self) -> None:
+        """Stop the answer: `on_close` first (it may run while another thread is inside `next`, e.g.
+        to cancel a generation), then close the pieces' generator unless that thread is in it."""
+        if self._on_close is not None:
+            self._on_close()
         close = getattr(self._pieces, "close", None)
         if close is not None:
-            close()
+            try:
+                close()
+            except ValueError:  # "generator already executing" in another thread; on_close stops it
+                pass
 
 
 def finish_reason_of(pieces: Iterator[str]) -> str:
@@ -283,9 +293,11 @@ class SmolLMGenerator:
             shutil.rmtree(tmp, ignore_errors=True)
 
     def stream(self, request: GenerationRequest) -> GenerationStream:
-        return GenerationStream(self._pieces(request))
+        """The answer's pieces; closing the stream (or `cancel`) ends the generation at its next token."""
+        cancel = threading.Event()
+        return GenerationStream(self._pieces(request, cancel), on_close=cancel.set)
 
-    def _pieces(self, request: GenerationRequest) -> PyGenerator[str, None, str]:
+    def _pieces(self, request: GenerationRequest, cancel: threading.Event) -> PyGenerator[str, None, str]:
         """Start `generate` in a worker thread and yield its text; returns the finish reason."""
         self.load()
         transformers = require("transformers")
@@ -295,7 +307,7 @@ class SmolLMGenerator:
         streamer = transformers.TextIteratorStreamer(
             self._tokenizer, skip_prompt=True, skip_special_tokens=True, timeout=self.poll_s
         )
-        cancel, started = threading.Event(), threading.Event()
+        started = threading.Event()
         kwargs = dict(
             **inputs,
             max_new_tokens=request.max_new_tokens,

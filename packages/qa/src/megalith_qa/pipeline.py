@@ -100,19 +100,21 @@ class QAPipeline:
         self, question: str, session_id: str, k: int | None = None, max_new_tokens: int | None = None
     ) -> tuple[tuple[Citation, ...], Iterator[str]]:
         """Citations now, answer pieces lazily (a `GenerationStream`, whose `finish_reason` is final once it
-        is exhausted); the turn is recorded when the stream is exhausted."""
+        is exhausted); the turn is recorded when the stream is exhausted. Closing the stream closes the
+        generator's (a client that went away stops the generation)."""
         request, result = self.prepare(question, session_id, k, max_new_tokens)
+        inner = self.generator.stream(request)  # lazy: nothing runs before the first piece is asked for
+        close_inner = getattr(inner, "close", None)
 
         def pieces() -> PyGenerator[str, None, str]:
             parts: list[str] = []
-            inner = self.generator.stream(request)
             for piece in inner:
                 parts.append(piece)
                 yield piece
             self.record(session_id, question, "".join(parts).strip())
             return finish_reason_of(inner)
 
-        return citations_of(result.hits), GenerationStream(pieces())
+        return citations_of(result.hits), GenerationStream(pieces(), on_close=close_inner)
 
     def ingest_builtin(self, progress: bool = False) -> list[IngestResult]:
         """Python's documentation topics and the project's READMEs (unchanged ones are skipped)."""

@@ -10,9 +10,9 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib import resources
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import FastAPI, File, Header, HTTPException, Request, UploadFile
 from fastapi.concurrency import run_in_threadpool
@@ -69,6 +69,23 @@ def _session(pipeline: QAPipeline, body: ChatCompletionRequest, header: str | No
             if msg.role in ("user", "assistant") and msg.content.strip():
                 pipeline.memory.add(sid, msg.role, msg.content)
     return sid
+
+
+class _ClosingStream(StreamingResponse):
+    """A streaming response that calls `on_close` once it ends for any reason: done, failed, or the
+    client gone (Starlette notices that at the next send or through `http.disconnect`), so that the
+    generation behind it stops instead of running on for nobody."""
+
+    def __init__(self, content: Iterator[str], on_close: Callable[[], None] | None, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self._on_close is not None:
+                await run_in_threadpool(self._on_close)
 
 
 def _sse(payload: dict[str, object]) -> str:
@@ -144,7 +161,9 @@ def _add_chat_routes(app: FastAPI, pipeline: QAPipeline) -> None:
                 pipeline.stream, question, sid, body.top_k, body.max_tokens
             )
             events = _stream_events(model_name, cites, pieces, sid)
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+            return _ClosingStream(
+                events, getattr(pieces, "close", None), media_type="text/event-stream", headers=headers
+            )
         answer = await run_in_threadpool(pipeline.answer, question, sid, body.top_k, body.max_tokens)
         prompt_tokens = sum(approx_tokens(m.content) for m in body.messages)
         completion_tokens = approx_tokens(answer.text)
