@@ -170,6 +170,20 @@ def test_peft_adapters_merged_like_peft_forward(family: str, lora: dict[str, Any
     assert_matches(model, engine_of(model))
 
 
+def test_a_peft_state_dict_is_refused_with_the_way_to_pass_it() -> None:
+    """``update_weights(peft_model.state_dict())``: the adapter tensors cannot be copied as they are;
+    the error names the tensor and says to pass the model; the model itself is merged and matches."""
+    model = peft_model()
+    engine = engine_of(model)
+    with pytest.raises(
+        ConfigError,
+        match=r"'base_model\.model\.model\.layers\.0\..*' is a PEFT adapter tensor.*update_weights\(model\)",
+    ):
+        engine.update_weights(model.state_dict())
+    assert engine.update_weights(model) > 0
+    assert_matches(model, engine)
+
+
 def test_dora_on_an_embedding_refused() -> None:
     model = peft_model(target_modules=["embed_tokens", "q_proj"], use_dora=True)
     with pytest.raises(ConfigError, match="DoraEmbeddingVariant.*embed_tokens"):

@@ -30,6 +30,8 @@ from megalith.common.errors import ConfigError
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)$")
+# name parts of PEFT adapter tensors (a PEFT state dict), which update_weights cannot take as they are
+PEFT_MARKERS = (".lora_", ".base_layer.", ".lora_magnitude_vector", ".modules_to_save.", ".original_module.")
 
 
 @dataclass(frozen=True)
@@ -356,6 +358,11 @@ class EngineWeights:
         for name, tensor in items:
             key = self.canonical(name)
             dest = self.views.get(key)
+            if dest is None and any(part in name for part in PEFT_MARKERS):
+                raise ConfigError(
+                    f"{name!r} is a PEFT adapter tensor: pass the PEFT model itself "
+                    "(update_weights(model)), which merges its adapters as PEFT applies them"
+                )
             if dest is None:
                 raise ConfigError(f"the fast engine has no parameter {name!r}")
             if tuple(dest.shape) != tuple(tensor.shape):
