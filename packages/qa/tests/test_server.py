@@ -345,23 +345,30 @@ def test_failing_generation_ends_the_request(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_stops_the_generation(
     make_pipeline: Callable[..., object],
     fake_smollm: Callable[..., tuple[object, object]],
     serve_app: Callable[[object], str],
+    stream: bool,
 ) -> None:
-    """A streaming client that goes away after the first piece: the generation stops within a few
-    tokens (its stopping criterion sees the cancel) instead of running to max_tokens."""
+    """A client that goes away (streaming: after the first piece; plain: after 0.5 s without a
+    reply): the generation stops within a few tokens (its stopping criterion sees the cancel)
+    instead of running on to max_tokens (400 tokens, 20 s here)."""
     gen, model = fake_smollm("slow")
     url = serve_app(create_app(make_pipeline(generator=gen)))
-    body = {"messages": [{"role": "user", "content": "tea?"}], "stream": True, "max_tokens": 400}
-    with (
-        httpx.Client(timeout=10) as http,
-        http.stream("POST", f"{url}/v1/chat/completions", json=body) as resp,
-    ):
-        for line in resp.iter_lines():
-            if '"content"' in line:
-                break  # the first piece arrived: hang up
+    body = {"messages": [{"role": "user", "content": "tea?"}], "stream": stream, "max_tokens": 400}
+    if stream:
+        with (
+            httpx.Client(timeout=10) as http,
+            http.stream("POST", f"{url}/v1/chat/completions", json=body) as resp,
+        ):
+            for line in resp.iter_lines():
+                if '"content"' in line:
+                    break  # the first piece arrived: hang up
+    else:
+        with httpx.Client(timeout=0.5) as http, pytest.raises(httpx.ReadTimeout):
+            http.post(f"{url}/v1/chat/completions", json=body)
     deadline = time.monotonic() + 15
     while model.stopped_after is None and time.monotonic() < deadline:  # type: ignore[attr-defined]
         time.sleep(0.05)

@@ -16,7 +16,8 @@ from typing import Annotated, Any
 
 from fastapi import FastAPI, File, Header, HTTPException, Request, UploadFile
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.concurrency import iterate_in_threadpool
 
 from megalith.common.errors import ConfigError, DataError, MegalithError
 from megalith_qa import __version__
@@ -88,6 +89,22 @@ class _ClosingStream(StreamingResponse):
                 await run_in_threadpool(self._on_close)
 
 
+async def _collect(request: Request, pieces: Iterator[str]) -> str | None:
+    """The whole answer, or None once the client has gone away (checked after every piece); the
+    answer stream is closed either way, which stops a generation still running."""
+    parts: list[str] = []
+    try:
+        async for piece in iterate_in_threadpool(pieces):
+            parts.append(piece)
+            if await request.is_disconnected():
+                return None
+    finally:
+        close = getattr(pieces, "close", None)
+        if close is not None:
+            await run_in_threadpool(close)
+    return "".join(parts).strip()
+
+
 def _sse(payload: dict[str, object]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
@@ -149,32 +166,34 @@ def _add_chat_routes(app: FastAPI, pipeline: QAPipeline) -> None:
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, tags=["openai"])
     async def chat_completions(
-        body: ChatCompletionRequest, x_session_id: Annotated[str | None, Header(max_length=128)] = None
-    ) -> StreamingResponse | JSONResponse:
+        request: Request,
+        body: ChatCompletionRequest,
+        x_session_id: Annotated[str | None, Header(max_length=128)] = None,
+    ) -> Response:
         """Answer the last user message from the knowledge base; `citations` lists the passages used.
         With `stream: true` the answer arrives as server-sent events (`data: {chunk}` ... `data: [DONE]`)."""
         question = _question(body)
         sid = _session(pipeline, body, x_session_id)
         headers = {SESSION_HEADER: sid}
+        cites, pieces = await run_in_threadpool(pipeline.stream, question, sid, body.top_k, body.max_tokens)
         if body.stream:
-            cites, pieces = await run_in_threadpool(
-                pipeline.stream, question, sid, body.top_k, body.max_tokens
-            )
             events = _stream_events(model_name, cites, pieces, sid)
             return _ClosingStream(
                 events, getattr(pieces, "close", None), media_type="text/event-stream", headers=headers
             )
-        answer = await run_in_threadpool(pipeline.answer, question, sid, body.top_k, body.max_tokens)
+        text = await _collect(request, pieces)
+        if text is None:  # the client went away: its generation is stopped, nobody reads a reply
+            return Response(status_code=499)
         prompt_tokens = sum(approx_tokens(m.content) for m in body.messages)
-        completion_tokens = approx_tokens(answer.text)
+        completion_tokens = approx_tokens(text)
         out = ChatCompletionResponse(
             id=f"chatcmpl-{uuid.uuid4().hex}",
             created=int(time.time()),
             model=model_name,
             choices=[
                 Choice(
-                    message=AssistantMessage(content=answer.text),
-                    finish_reason="length" if answer.finish_reason == "length" else "stop",
+                    message=AssistantMessage(content=text),
+                    finish_reason="length" if finish_reason_of(pieces) == "length" else "stop",
                 )
             ],
             usage=Usage(
@@ -182,7 +201,7 @@ def _add_chat_routes(app: FastAPI, pipeline: QAPipeline) -> None:
                 completion_tokens=completion_tokens,
                 total_tokens=prompt_tokens + completion_tokens,
             ),
-            citations=_citations(answer.citations),
+            citations=_citations(cites),
             session_id=sid,
         )
         return JSONResponse(out.model_dump(), headers=headers)
