@@ -15,7 +15,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from megalith.common.errors import ConfigError, MegalithError
@@ -55,26 +55,24 @@ def positive_float(value: str) -> float:
     return number
 
 
-def positive_int(value: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}")
-    return number
+def int_in(low: int, high: int | None, what: str) -> Callable[[str], int]:
+    """argparse type: an integer in `low..high` (no upper bound if `high` is None); the error says
+    "must be {what}" and names the value."""
+
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            number = None
+        if number is None or number < low or (high is not None and number > high):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value!r}")
+        return number
+
+    return parse
 
 
-def port_number(value: str) -> int:
-    """argparse type: a TCP port 0..65535 (0 lets the system pick one)."""
-    try:
-        number = int(value)
-    except ValueError:
-        number = -1
-    if not 0 <= number <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number in 0..65535, got {value!r}")
-    return number
+positive_int = int_in(1, None, "an integer >= 1")
+port_number = int_in(0, 65535, "a port number in 0..65535")  # 0 lets the system pick one
 
 
 def embedder_kind(value: str) -> str:

@@ -99,6 +99,12 @@ class ChunkingConfig:
             raise ConfigError(f"need 0 <= chunk_overlap < chunk_size, got {self.chunk_overlap}")
 
 
+def check_no_repeat_ngram(n: int, name: str = "no_repeat_ngram") -> None:
+    """`n` turns the answer's no-repeat rule off (0) or sets its n-gram length (>= 2)."""
+    if n < 0 or n == 1:
+        raise ConfigError(f"{name} must be 0 (off) or >= 2, got {n}")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Network and limits. A non-loopback host requires an API key (Bearer auth)."""
@@ -119,8 +125,7 @@ class ServerConfig:
             raise ConfigError(f"max_upload_bytes must be >= 1, got {self.max_upload_bytes}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.no_repeat_ngram < 0 or self.no_repeat_ngram == 1:
-            raise ConfigError(f"--no-repeat-ngram must be 0 (off) or >= 2, got {self.no_repeat_ngram}")
+        check_no_repeat_ngram(self.no_repeat_ngram, "--no-repeat-ngram")
 
 
 @dataclass(frozen=True)

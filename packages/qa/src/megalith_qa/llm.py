@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from megalith.common.errors import ConfigError, MegalithError, MissingDependencyError
 from megalith.common.utils import require
+from megalith_qa.config import check_no_repeat_ngram
 from megalith_qa.documents import ScoredChunk
 from megalith_qa.text import split_sentences, tokenize
 
@@ -225,8 +226,7 @@ class SmolLMGenerator:
     ) -> None:
         if not stall_timeout_s > 0 or not poll_s > 0:
             raise ConfigError(f"timeouts must be > 0, got stall_timeout_s={stall_timeout_s} poll_s={poll_s}")
-        if no_repeat_ngram < 0 or no_repeat_ngram == 1:
-            raise ConfigError(f"no_repeat_ngram must be 0 (off) or >= 2, got {no_repeat_ngram}")
+        check_no_repeat_ngram(no_repeat_ngram)
         self.cache_dir = cache_dir
         self.no_repeat_ngram = no_repeat_ngram
         self.stall_timeout_s = stall_timeout_s

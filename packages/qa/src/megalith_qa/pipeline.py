@@ -10,7 +10,6 @@ import logging
 import time
 import uuid
 from collections.abc import Generator as PyGenerator
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,7 +97,7 @@ class QAPipeline:
 
     def stream(
         self, question: str, session_id: str, k: int | None = None, max_new_tokens: int | None = None
-    ) -> tuple[tuple[Citation, ...], Iterator[str]]:
+    ) -> tuple[tuple[Citation, ...], GenerationStream]:
         """Citations now, answer pieces lazily (a `GenerationStream`, whose `finish_reason` is final once it
         is exhausted); the turn is recorded when the stream is exhausted. Closing the stream closes the
         generator's (a client that went away stops the generation)."""

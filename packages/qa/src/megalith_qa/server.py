@@ -37,7 +37,7 @@ from megalith_qa.api_models import (
     Usage,
 )
 from megalith_qa.ingest import UnsafeNameError, UnsupportedTypeError, file_kind, load_bytes, sanitize_filename
-from megalith_qa.llm import finish_reason_of
+from megalith_qa.llm import GenerationStream, finish_reason_of
 from megalith_qa.memory import approx_tokens
 from megalith_qa.pipeline import Citation, QAPipeline
 from megalith_qa.security import GuardMiddleware
@@ -77,7 +77,7 @@ class _ClosingStream(StreamingResponse):
     client gone (Starlette notices that at the next send or through `http.disconnect`), so that the
     generation behind it stops instead of running on for nobody."""
 
-    def __init__(self, content: Iterator[str], on_close: Callable[[], None] | None, **kwargs: Any) -> None:
+    def __init__(self, content: Iterator[str], on_close: Callable[[], None], **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
         self._on_close = on_close
 
@@ -85,11 +85,10 @@ class _ClosingStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            if self._on_close is not None:
-                await run_in_threadpool(self._on_close)
+            await run_in_threadpool(self._on_close)
 
 
-async def _collect(request: Request, pieces: Iterator[str]) -> str | None:
+async def _collect(request: Request, pieces: GenerationStream) -> str | None:
     """The whole answer, or None once the client has gone away (checked after every piece); the
     answer stream is closed either way, which stops a generation still running."""
     parts: list[str] = []
@@ -99,9 +98,7 @@ async def _collect(request: Request, pieces: Iterator[str]) -> str | None:
             if await request.is_disconnected():
                 return None
     finally:
-        close = getattr(pieces, "close", None)
-        if close is not None:
-            await run_in_threadpool(close)
+        await run_in_threadpool(pieces.close)
     return "".join(parts).strip()
 
 
@@ -178,9 +175,7 @@ def _add_chat_routes(app: FastAPI, pipeline: QAPipeline) -> None:
         cites, pieces = await run_in_threadpool(pipeline.stream, question, sid, body.top_k, body.max_tokens)
         if body.stream:
             events = _stream_events(model_name, cites, pieces, sid)
-            return _ClosingStream(
-                events, getattr(pieces, "close", None), media_type="text/event-stream", headers=headers
-            )
+            return _ClosingStream(events, pieces.close, media_type="text/event-stream", headers=headers)
         text = await _collect(request, pieces)
         if text is None:  # the client went away: its generation is stopped, nobody reads a reply
             return Response(status_code=499)
