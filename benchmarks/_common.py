@@ -48,6 +48,11 @@ def card() -> str:
     return found.group(1).lower() if found else "cuda"
 
 
+def result_name(stem: str, device: str) -> str:
+    """``{stem}_{card}.json`` for a CUDA run, ``{stem}_cpu.json`` otherwise."""
+    return f"{stem}_{card() if device == 'cuda' else 'cpu'}.json"
+
+
 def write_result(name: str, payload: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / name

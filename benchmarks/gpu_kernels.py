@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import card, write_result
+from _common import result_name, write_result
 
 from megalith.kernels import FusedAdamW, apply_rotary, get_kernel, pick_backend
 
@@ -180,7 +180,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="result file name under benchmarks/results/")
     args = parser.parse_args()
     result = run(args)
-    name = args.out or (f"gpu_kernels_{card()}.json" if args.device == "cuda" else "gpu_kernels_cpu.json")
+    name = args.out or result_name("gpu_kernels", args.device)
     print(f"copy ceiling {result['copy_ceiling_GBps']:.0f} GB/s; wrote {write_result(name, result)}")
 
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import card, write_result
+from _common import result_name, write_result
 
 GROUPS = {"qkv": (2048, 256, 256), "gate_up": (5632, 5632)}  # TinyLlama-1.1B output widths
 TOKENS, HIDDEN = 16384, 2048
@@ -109,7 +109,7 @@ def main() -> None:
     rows = {name: measure(outs, tokens, hidden, device) for name, outs in groups.items()}
     for name, row in rows.items():
         print(name, {k: round(v, 4) for k, v in row.items()}, flush=True)
-    out = args.out or f"gpu_qkv_{card() if cuda else 'cpu'}.json"
+    out = args.out or result_name("gpu_qkv", device.type)
     path = write_result(out, {"tokens": tokens, "hidden": hidden, "outputs": groups, "groups": rows})
     print(f"wrote {path}")
 

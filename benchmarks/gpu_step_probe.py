@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_train
-from _common import card, emit_result, run_child, write_result
+from _common import emit_result, result_name, run_child, write_result
 
 KINDS = (
     ("matmul", ("nvjet", "gemm", "cutlass", "splitk")),
@@ -263,9 +263,7 @@ def main() -> None:
                   f"sync calls: {rows[-1]['sync_calls']}", flush=True)  # fmt: skip
         for gap in rows[-1].get("gap_causes", {}).get("largest", []):
             print(f"  gap {gap}", flush=True)
-    name = args.out or (
-        f"gpu_step_probe_{card()}.json" if args.device == "cuda" else "gpu_step_probe_cpu.json"
-    )
+    name = args.out or result_name("gpu_step_probe", args.device)
     payload = {"batch": args.batch, "seq": args.seq, "warmup": args.warmup, "systems": rows}
     print(f"wrote {write_result(name, payload)}")
 

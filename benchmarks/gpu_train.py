@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import card, emit_result, run_child, write_result
+from _common import emit_result, result_name, run_child, write_result
 
 PEAK_FLOPS = 768e12  # measured bf16 dense matmul ceiling of one H200 (see the project's issue)
 SYSTEMS = (
@@ -266,7 +266,7 @@ def main() -> None:
     if args.child:
         emit_result(child(args.child, args))
         return
-    name = args.out or (f"gpu_train_{card()}.json" if args.device == "cuda" else "gpu_train_cpu.json")
+    name = args.out or result_name("gpu_train", args.device)
     payload = {"batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
                "peak_flops": PEAK_FLOPS}  # fmt: skip
 

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_train
-from _common import card, emit_result, run_child, write_result
+from _common import emit_result, result_name, run_child, write_result
 
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 COORDINATE_DESCENT = {"TORCHINDUCTOR_COORDINATE_DESCENT_TUNING": "1"}
@@ -159,7 +159,7 @@ def main() -> None:
         return
     runs = run_rounds(args)
     summary = summarize(args.variants, runs)
-    out = args.out or (f"gpu_train_ab_{card()}.json" if args.device == "cuda" else "gpu_train_ab_cpu.json")
+    out = args.out or result_name("gpu_train_ab", args.device)
     payload = {
         "rounds": args.rounds,
         "warmup": args.warmup,
