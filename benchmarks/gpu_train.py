@@ -183,7 +183,7 @@ def _profile(step: Any, ids: torch.Tensor) -> None:
             step(ids)
         torch.cuda.synchronize()
     print(
-        prof.key_averages().table(sort_by="cuda_time_total", row_limit=50, max_name_column_width=70),
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=80, max_name_column_width=90),
         file=sys.stderr,
     )
 
@@ -205,7 +205,7 @@ def parent(args: argparse.Namespace, save: Any) -> list[dict[str, Any]]:
             row = {"name": system, "error": (proc.stderr or proc.stdout)[-2000:]}
         row["wall_s"] = time.perf_counter() - t0
         if args.profile:
-            print(proc.stderr[-9000:], flush=True)
+            print(proc.stderr[-30000:], flush=True)
         rows.append(row)
         print(_fmt(row), flush=True)
         save(rows, len(rows) == len(systems))
