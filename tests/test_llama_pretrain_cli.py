@@ -145,3 +145,20 @@ def test_unknown_plugin_lists_the_choices(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "unknown plugin 'zero9'; choose one of ddp, " in err and "zero2" in err
     assert not (tmp_path / "o").exists()  # refused before anything is written
+
+
+def test_data_that_is_not_prepared_is_refused_before_ranks_start(tmp_path, capsys, monkeypatch):
+    """--data naming a raw file (not a `prepare` output): one error with the command that makes
+    one, from the launching process (no ranks are started), and nothing written."""
+    import megalith.distributed as distributed
+    from megalith_llama.cli import main
+
+    monkeypatch.setattr(distributed, "relaunch", lambda *a, **k: pytest.fail("ranks were started"))
+    raw = tmp_path / "corpus.jsonl"
+    raw.write_text('{"text": "hello"}\n')
+    argv = _cmd(tmp_path, tmp_path / "o", "--data", str(raw))[3:]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"not a prepared dataset (no manifest.json): {raw}" in err
+    assert f"llama-pretrain prepare --input {raw} --output DIR" in err
+    assert not (tmp_path / "o").exists()

@@ -65,10 +65,17 @@ def test_reward_model_accuracy_beats_chance(model_dir: Path, tmp_path: Path) -> 
     assert sum(r["accuracy"] for r in rows[-5:]) / 5 > 0.75
 
 
-def test_supervised_bad_inputs(model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_supervised_bad_inputs(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from megalith_chat.trainer import runs
+
+    loaded: list[Path] = []
+    monkeypatch.setattr(runs, "load_policy", lambda path, *a: loaded.append(path))
     bad = _write(tmp_path / "bad.jsonl", [{"prompt": "hi"}])
     assert main(["sft", "--model", str(model_dir), "--data", str(bad), "--out", str(tmp_path / "o")]) == 2
     assert f"{bad}:1" in capsys.readouterr().err
+    assert loaded == []  # the bad record is reported before the model loads
     assert main(["sft", "--model", str(tmp_path / "missing"), "--data", str(bad)]) == 2
     assert "neither 'smollm2'" in capsys.readouterr().err
 

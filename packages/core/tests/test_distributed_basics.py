@@ -72,3 +72,57 @@ def test_one_rank_raising_fails_fast_with_its_exception():
         run_distributed(one_rank_raises, 2, timeout_s=10)
     assert time.monotonic() - start < 30
     assert any("raised on rank 1" in note for note in info.value.__notes__)
+
+
+RANK_SCRIPT = """
+import os, sys
+from megalith.distributed import relaunch, under_launcher
+if not under_launcher():
+    sys.exit(relaunch(2, sys.argv[1:]))
+rank = int(os.environ["RANK"])
+print(f"rank {rank} ran", flush=True)
+if rank == 1:
+    print("error: rank 1 refuses", file=sys.stderr, flush=True)
+    sys.exit(3)
+"""
+
+
+def test_relaunch_reports_a_failed_rank_in_one_line(tmp_path):
+    """`relaunch` runs both ranks; when one exits 3, the launcher returns 3 and says which rank
+    failed, without the elastic agent's traceback and log lines."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOGLEVEL")}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert "rank 0 ran" in done.stdout and "rank 1 ran" in done.stdout
+    assert "error: rank 1 refuses" in done.stderr
+    # rank 1 failed first; rank 0 either finished or was stopped by the agent because of it
+    assert "error: rank 1 exited with code 3" in done.stderr
+    assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr, done.stderr
+
+
+def test_failed_ranks_are_described_by_exit_code_or_signal():
+    from types import SimpleNamespace
+
+    from megalith.distributed.torchrun import describe
+
+    failures = {
+        1: SimpleNamespace(exitcode=2, timestamp=20),
+        0: SimpleNamespace(exitcode=-9, timestamp=10),
+        2: SimpleNamespace(exitcode=-999, timestamp=30),
+    }
+    line, code = describe(failures)
+    assert code == 128 + 9  # the first failure (by time) was rank 0, killed by SIGKILL
+    assert line == (
+        "error: rank 0 was killed by SIGKILL, the first of 3 failed ranks (rank 1 exited with code 2; "
+        "rank 2 was killed by signal 999); each rank's own output is above"
+    )
+    line, code = describe({4: SimpleNamespace(exitcode=1, timestamp=0)})
+    assert (line, code) == ("error: rank 4 exited with code 1; its own output is above", 1)

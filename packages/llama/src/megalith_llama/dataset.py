@@ -24,7 +24,8 @@ def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The manifest of a prepared directory, checked for format and version."""
     file = Path(path) / MANIFEST
     if not file.is_file():
-        raise DataError(f"not a prepared dataset (no {MANIFEST}): {path}")
+        hint = f"`llama-pretrain prepare --input {path} --output DIR`, then --data DIR"
+        raise DataError(f"not a prepared dataset (no {MANIFEST}): {path}; make one with {hint}")
     try:
         manifest = json.loads(file.read_text(encoding="utf-8"))
     except ValueError as exc:

@@ -44,12 +44,9 @@ def _model_and_data(
     args: argparse.Namespace, model_dir: Path, tokenizer: Any
 ) -> tuple[Any, ListDataset, Any]:
     pad = pad_token_id(tokenizer)
-    if args.command == "sft":
-        return (
-            load_policy(model_dir, _lora(args), args.seed),
-            sft_dataset(str(args.data), tokenizer, args.max_length),
-            sft_collate(pad),
-        )
+    if args.command == "sft":  # the data first: a bad record is reported before the model loads
+        examples = sft_dataset(str(args.data), tokenizer, args.max_length)
+        return load_policy(model_dir, _lora(args), args.seed), examples, sft_collate(pad)
     pairs = preference_dataset(str(args.data), tokenizer, args.max_length)
     if args.command == "rm":
         if args.lora_r > 0:

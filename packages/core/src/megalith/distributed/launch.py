@@ -73,7 +73,8 @@ def relaunch(nproc_per_node: int, argv: list[str], module: str | None = None) ->
     """Run this program again under `torch.distributed.run` with `nproc_per_node` local ranks on loopback.
 
     `argv` are the program's arguments; `module` runs `python -m module` instead of the script in
-    `sys.argv[0]`. Returns the launcher's exit code. Callers do this only when not `under_launcher()`.
+    `sys.argv[0]`. Returns the launcher's exit code: a failed rank's (`megalith.distributed.torchrun`
+    reports the failed ranks in one line). Callers do this only when not `under_launcher()`.
     """
     import subprocess
     import sys
@@ -86,7 +87,7 @@ def relaunch(nproc_per_node: int, argv: list[str], module: str | None = None) ->
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "megalith.distributed.torchrun",
         f"--nproc-per-node={nproc_per_node}",
         "--nnodes=1",
         "--node-rank=0",

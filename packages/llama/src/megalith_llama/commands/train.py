@@ -187,6 +187,10 @@ def run(args: argparse.Namespace) -> int:
     from megalith_llama.train import check_fresh_output, run_training
 
     check_fresh_output(cfg, Path(cfg.output))  # so does an --output holding an earlier run
+    if cfg.data:  # and a --data that is no prepared dataset
+        from megalith_llama.dataset import load_manifest
+
+        load_manifest(cfg.data)
     code = relaunch_if_needed(args)
     if code is not None:
         return code
