@@ -162,3 +162,22 @@ def test_data_that_is_not_prepared_is_refused_before_ranks_start(tmp_path, capsy
     assert f"not a prepared dataset (no manifest.json): {raw}" in err
     assert f"llama-pretrain prepare --input {raw} --output DIR" in err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("model", ["nosuch", "missing/model_dir"])
+def test_unknown_model_is_refused_before_ranks_start(tmp_path, capsys, monkeypatch, model):
+    """An unknown --model name or a missing path: one error from the launching process (it used to
+    reach the ranks, where rank 0 failed to load it and rank 1 timed out at a barrier)."""
+    import megalith.distributed as distributed
+    from megalith_llama.cli import main
+
+    monkeypatch.setattr(distributed, "relaunch", lambda *a, **k: pytest.fail("ranks were started"))
+    argv = _cmd(tmp_path, tmp_path / "o")[3:]
+    argv[argv.index("--model") + 1] = model
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    expected = (
+        "unknown model 'nosuch'" if model == "nosuch" else "model path does not exist: missing/model_dir"
+    )
+    assert expected in err
+    assert not (tmp_path / "o").exists()

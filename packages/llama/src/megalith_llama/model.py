@@ -165,6 +165,19 @@ def _resolve_path(source: str | os.PathLike[str]) -> Path | None:
     return None
 
 
+def check_model_source(name: str) -> Path | None:
+    """The path a model source names (None for a built-in name), checked without loading anything:
+    `ConfigError` for a name that is neither a path nor built in, `CheckpointError` for a path that
+    does not exist."""
+    path = _resolve_path(name)
+    if path is None and name != DEFAULT_MODEL and name not in TINY_CONFIGS:
+        choices = [DEFAULT_MODEL, *sorted(TINY_CONFIGS)]
+        raise ConfigError(f"unknown model {name!r}: not an existing path and not one of {choices}")
+    if path is not None and not path.exists():
+        raise CheckpointError(f"model path does not exist: {path}")
+    return path
+
+
 def load_tokenizer(
     source: str | os.PathLike[str] | None = None, data_dir: str | os.PathLike[str] | None = None
 ) -> PreTrainedTokenizerBase:
@@ -233,8 +246,8 @@ def load_model(
     when the tokenizer has more tokens than the model has embedding rows.
     """
     name = DEFAULT_MODEL if source is None else str(source)
+    path = check_model_source(name)
     tok = load_tokenizer(tokenizer, data_dir) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
-    path = _resolve_path(name)
     if path is None and name in TINY_CONFIGS:
         tok = tok if tok is not None else load_tokenizer(None, data_dir)
         model = _init_tiny(name, tok, dtype, seed)
@@ -242,15 +255,11 @@ def load_model(
         path = default_model_dir(data_dir)
         model = _load_hf_dir(path, dtype)
         tok = tok if tok is not None else load_tokenizer(path)
-    elif path is None:
-        choices = [DEFAULT_MODEL, *sorted(TINY_CONFIGS)]
-        raise ConfigError(f"unknown model {name!r}: not an existing path and not one of {choices}")
-    elif path.suffix == ".gguf":
+    elif path is not None and path.suffix == ".gguf":
         model, gguf_tok = _load_gguf(path, dtype)
         tok = tok if tok is not None else gguf_tok
-    elif not path.exists():
-        raise CheckpointError(f"model path does not exist: {path}")
     else:
+        assert path is not None  # check_model_source refused other names
         model = _load_hf_dir(path, dtype)
         tok = tok if tok is not None else load_tokenizer(path)
     check_vocab(tok, model)

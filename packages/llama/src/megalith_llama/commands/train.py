@@ -184,10 +184,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)  # bad flags fail here, before any rank is started
+    from megalith_llama.model import check_model_source
     from megalith_llama.train import check_fresh_output, run_training
 
     check_fresh_output(cfg, Path(cfg.output))  # so does an --output holding an earlier run
-    if cfg.data:  # and a --data that is no prepared dataset
+    if cfg.model:  # and an unknown --model, or a --data that is no prepared dataset
+        check_model_source(cfg.model)
+    if cfg.data:
         from megalith_llama.dataset import load_manifest
 
         load_manifest(cfg.data)
