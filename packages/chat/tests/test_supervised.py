@@ -78,6 +78,15 @@ def test_supervised_bad_inputs(
     assert loaded == []  # the bad record is reported before the model loads
     assert main(["sft", "--model", str(tmp_path / "missing"), "--data", str(bad)]) == 2
     assert "neither 'smollm2'" in capsys.readouterr().err
+    # with several ranks both are refused by the launching process, before any rank starts
+    import megalith.distributed as distributed
+
+    monkeypatch.setattr(distributed, "relaunch", lambda *a, **k: pytest.fail("ranks were started"))
+    two = ["--nproc-per-node", "2", "--out", str(tmp_path / "o2")]
+    assert main(["sft", "--model", str(tmp_path / "missing"), "--data", str(bad), *two]) == 2
+    assert "neither 'smollm2'" in capsys.readouterr().err
+    assert main(["dpo", "--model", str(model_dir), "--data", str(tmp_path / "none.jsonl"), *two]) == 2
+    assert f"--data {tmp_path / 'none.jsonl'}: no such file" in capsys.readouterr().err
 
 
 def test_truncation_that_leaves_no_trained_token_names_the_line(chat_tokenizer: Any, tmp_path: Path) -> None:

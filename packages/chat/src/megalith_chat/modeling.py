@@ -80,12 +80,15 @@ def _drop_gguf_quantizer(model: Any) -> None:
 
 def resolve_model(spec: str, root: str | Path | None = None) -> Path:
     """``"smollm2"`` (converted on first use) or an existing local HF model directory."""
-    if spec == SMOLLM2:
-        return convert_smollm2(root)
-    path = Path(spec).expanduser()
-    if not (path / "config.json").is_file():
+    check_model_spec(spec)
+    return convert_smollm2(root) if spec == SMOLLM2 else Path(spec).expanduser()
+
+
+def check_model_spec(spec: str) -> None:
+    """``ConfigError`` unless ``spec`` is ``"smollm2"`` or a directory with a config.json (nothing
+    is loaded or converted: the check runs before any rank starts)."""
+    if spec != SMOLLM2 and not (Path(spec).expanduser() / "config.json").is_file():
         raise ConfigError(f"model {spec!r} is neither 'smollm2' nor a directory with a config.json")
-    return path
 
 
 @dataclass(frozen=True)
