@@ -95,6 +95,26 @@ def test_cli_ingest_then_reingest(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert main(["ingest", str(tmp_path / "missing.txt"), "--data-dir", str(tmp_path / "d")]) == 2
 
 
+def test_cli_ingest_folder_with_a_bad_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A folder holding a non-UTF-8 .txt and an empty .md: by default the command stops naming the
+    first bad file's path and stores nothing; with --skip-bad the good file is ingested and each bad
+    one is listed with its reason."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.md").write_text("Sea otters hold hands while they sleep.")
+    (docs / "bin.txt").write_bytes(b"\xff\xfe\x00 binary")
+    (docs / "empty.md").write_text("  \n")
+    args = ["ingest", str(docs), "--data-dir", str(tmp_path / "d"), "--embedder", "hashing"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"{docs / 'bin.txt'}: not UTF-8 text" in err and "nothing was ingested (--skip-bad" in err
+    assert main([*args, "--skip-bad"]) == 0
+    out, err = capsys.readouterr()
+    assert "added" in out and "a.md" in out and "bin.txt" not in out
+    assert f"skipped: {docs / 'bin.txt'}: not UTF-8 text" in err
+    assert f"skipped: {docs / 'empty.md'}: no text to index" in err
+
+
 def test_cli_eval_writes_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     small = tmp_path / "small.jsonl"
     small.write_text(

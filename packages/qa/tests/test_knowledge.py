@@ -115,6 +115,24 @@ def test_ingest_paths_walks_folders_and_refuses_bad_paths(kb: KnowledgeBase, tmp
         kb.ingest_paths([tmp_path / "docs" / "skip.bin"])
 
 
+def test_ingest_paths_stores_nothing_when_a_file_is_bad(kb: KnowledgeBase, tmp_path: Path) -> None:
+    """All files are read and parsed before anything is stored: a bad one (here malformed JSON
+    after a good text file) raises BadFileError naming its path and line; skip_bad leaves it out."""
+    from megalith_qa.knowledge import BadFileError
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("Otters hold hands while sleeping.")
+    (tmp_path / "docs" / "b.jsonl").write_text('{"text": "fine"}\n{"text": \n')
+    before = kb.store.count()
+    with pytest.raises(BadFileError, match=rf"^{tmp_path / 'docs' / 'b.jsonl'}:2"):
+        kb.ingest_paths([tmp_path / "docs"])
+    assert kb.store.count() == before
+    results = kb.ingest_paths([tmp_path / "docs"], skip_bad=True)
+    assert [(r.source, r.status) for r in results] == [("a.txt", "added"), ("b.jsonl", "skipped")]
+    assert results[1].error.startswith(f"{tmp_path / 'docs' / 'b.jsonl'}:2") and results[1].chunks == 0
+    assert kb.bm25_search("otters", 1)[0].source == "a.txt"
+
+
 def test_empty_document_is_refused(kb: KnowledgeBase) -> None:
     with pytest.raises(DataError, match="empty.txt"):
         kb.ingest(load_bytes("empty.txt", b"   \n"))

@@ -166,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.add_argument(
         "paths", nargs="+", help="files (txt, md, html, pdf, csv, json, jsonl) or folders to ingest"
     )
+    ingest.add_argument(
+        "--skip-bad",
+        action="store_true",
+        help="leave out files that cannot be read (not UTF-8, malformed, no text), listing each with its "
+        "reason, and ingest the rest (default: such a file stops the command before anything is stored)",
+    )
     ev = sub.add_parser("eval", help="hit@1/5/10, MRR and nDCG@10 of dense, BM25 and hybrid retrieval")
     _common(ev)
     ev.add_argument(
@@ -208,10 +214,18 @@ def make_config(ns: argparse.Namespace, llm: str = "extractive") -> QAConfig:
 
 
 def cmd_ingest(ns: argparse.Namespace) -> int:
+    from megalith_qa.knowledge import BadFileError
+
     pipeline = build_pipeline(make_config(ns), ns.embedder)
-    results = pipeline.kb.ingest_paths(ns.paths, progress=True)
+    try:
+        results = pipeline.kb.ingest_paths(ns.paths, progress=True, skip_bad=ns.skip_bad)
+    except BadFileError as exc:
+        raise BadFileError(f"{exc}; nothing was ingested (--skip-bad leaves such files out)") from exc
     for r in results:
-        print(f"{r.status:<9} {r.chunks:>5} chunks  {r.source}  (id {r.doc_id})")
+        if r.status == "skipped":
+            print(f"skipped: {r.error}", file=sys.stderr)
+        else:
+            print(f"{r.status:<9} {r.chunks:>5} chunks  {r.source}  (id {r.doc_id})")
     return 0
 
 

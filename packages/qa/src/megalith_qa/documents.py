@@ -83,9 +83,11 @@ class StoredDocument:
 
 @dataclass(frozen=True)
 class IngestResult:
-    """Outcome of ingesting one source: 'added', 'replaced' or 'unchanged'."""
+    """Outcome of ingesting one source: 'added', 'replaced', 'unchanged', or 'skipped' (a file that
+    `KnowledgeBase.ingest_paths(skip_bad=True)` left out; `error` says why)."""
 
     source: str
     doc_id: str
     status: str
     chunks: int
+    error: str = ""

@@ -39,6 +39,10 @@ from megalith_qa.text import detect_language
 logger = logging.getLogger(__name__)
 
 
+class BadFileError(DataError):
+    """A file of `KnowledgeBase.ingest_paths` that cannot be ingested (its path and why)."""
+
+
 def make_chunks(doc: SourceDocument, splitter: TextSplitter) -> list[Chunk]:
     """Split a document and drop repeated chunk texts; ids are `<doc_id>:<source_hash[:12]>:<position>`."""
     doc_id = doc_id_for(doc.source)
@@ -133,11 +137,31 @@ class KnowledgeBase:
             bar.set_postfix_str(f"{doc.source[:40]} ({results[-1].status})")
         return results
 
-    def ingest_paths(self, paths: Iterable[str | Path], progress: bool = False) -> list[IngestResult]:
-        """Ingest files (and supported files under directories), named as `expand_sources` says."""
-        files = expand_sources(paths)
-        docs = [load_bytes(name, path.read_bytes()) for name, path in files.items()]
-        return self.ingest_many(docs, progress=progress)
+    def ingest_paths(
+        self, paths: Iterable[str | Path], progress: bool = False, skip_bad: bool = False
+    ) -> list[IngestResult]:
+        """Ingest files (and supported files under directories), named as `expand_sources` says.
+
+        Every file is read and parsed before anything is stored. One that cannot be (not UTF-8,
+        malformed JSON, an unreadable PDF, no text, ...) raises `BadFileError` naming its path, and
+        nothing is stored; with `skip_bad` it is left out instead, as a 'skipped' result (after the
+        others) whose `error` says why."""
+        docs: list[SourceDocument] = []
+        skipped: list[IngestResult] = []
+        for name, path in expand_sources(paths).items():
+            try:
+                doc = load_bytes(name, path.read_bytes())
+                if not doc.text.strip():
+                    raise DataError(f"{name}: no text to index")
+                docs.append(doc)
+            except DataError as exc:
+                reason = str(exc)
+                if reason.startswith(f"{name}:"):  # the loaders name the source; name the file instead
+                    reason = f"{path}{reason[len(name) :]}"
+                if not skip_bad:
+                    raise BadFileError(reason) from exc
+                skipped.append(IngestResult(name, doc_id_for(name), "skipped", 0, reason))
+        return self.ingest_many(docs, progress=progress) + skipped
 
     def delete(self, key: str) -> int:
         """Delete a document by its id or by its source name; returns the number of chunks removed."""
