@@ -181,3 +181,14 @@ def test_unknown_model_is_refused_before_ranks_start(tmp_path, capsys, monkeypat
     )
     assert expected in err
     assert not (tmp_path / "o").exists()
+
+
+def test_missing_sft_file_is_refused_before_ranks_start(tmp_path, capsys, monkeypatch):
+    import megalith.distributed as distributed
+    from megalith_llama.cli import main
+
+    monkeypatch.setattr(distributed, "relaunch", lambda *a, **k: pytest.fail("ranks were started"))
+    argv = ["sft", *_cmd(tmp_path, tmp_path / "o")[4:], "--data", str(tmp_path / "none.jsonl")]
+    assert main(argv) == 2
+    assert f"SFT file not found: {tmp_path / 'none.jsonl'}" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

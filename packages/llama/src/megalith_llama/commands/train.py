@@ -182,18 +182,27 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
 
 
+def check_inputs(cfg: TrainConfig) -> None:
+    """What the ranks would read first, checked before they start: --model (a built-in name or an
+    existing path), --data (a `prepare` output) and the SFT file (present)."""
+    from megalith.common.errors import DataError
+    from megalith_llama.dataset import load_manifest
+    from megalith_llama.model import check_model_source
+
+    if cfg.model:
+        check_model_source(cfg.model)
+    if cfg.data:
+        load_manifest(cfg.data)
+    if cfg.sft_data and not Path(cfg.sft_data).is_file():
+        raise DataError(f"SFT file not found: {cfg.sft_data}")
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)  # bad flags fail here, before any rank is started
-    from megalith_llama.model import check_model_source
     from megalith_llama.train import check_fresh_output, run_training
 
     check_fresh_output(cfg, Path(cfg.output))  # so does an --output holding an earlier run
-    if cfg.model:  # and an unknown --model, or a --data that is no prepared dataset
-        check_model_source(cfg.model)
-    if cfg.data:
-        from megalith_llama.dataset import load_manifest
-
-        load_manifest(cfg.data)
+    check_inputs(cfg)
     code = relaunch_if_needed(args)
     if code is not None:
         return code
