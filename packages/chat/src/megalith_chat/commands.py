@@ -321,13 +321,16 @@ def _check_positive(args: argparse.Namespace, names: tuple[str, ...]) -> None:
 
 
 def check_supervised_args(args: argparse.Namespace) -> None:
-    """``ConfigError`` naming the flag and its value, before any model loads or rank starts."""
+    """``ConfigError`` naming the flag and its value, before any model loads or rank starts: the
+    flags and their combinations first, then that --model and --data exist."""
     from megalith_chat.data.sft import check_max_length
     from megalith_chat.modeling import check_model_spec
+    from megalith_chat.trainer.runs import check_parallel_flags
 
     _check_minimums(args, {**COMMON_MINIMUMS, **SUPERVISED_MINIMUMS})
     check_max_length(args.max_length, "--max-length")
     _check_positive(args, ("lr",))
+    check_parallel_flags(args)
     check_model_spec(args.model)
     if not Path(args.data).is_file():
         raise ConfigError(f"--data {args.data}: no such file")

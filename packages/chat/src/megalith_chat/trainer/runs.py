@@ -71,12 +71,18 @@ def _pipeline(args: argparse.Namespace) -> dict[str, Any]:
     return pipeline_options(pp, schedule, m)
 
 
+def check_parallel_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """``ConfigError`` naming the flags for a --tp / --sp-mode / --pp / --pp-schedule /
+    --num-microbatches combination this command cannot run; returns the pipeline options."""
+    check_parallel(args.tp, args.sp_mode, args.lora_r > 0, args.command)
+    return _pipeline(args)
+
+
 def run_supervised_command(args: argparse.Namespace) -> list[dict[str, float]]:
     """One sft / dpo / rm run (inside an initialised process group, or a single process)."""
     import torch
 
-    check_parallel(args.tp, args.sp_mode, args.lora_r > 0, args.command)  # before any model loads
-    pipeline = _pipeline(args)
+    pipeline = check_parallel_flags(args)  # before any model loads
     torch.manual_seed(args.seed)
     model_dir = resolve_model(args.model, args.data_dir)
     tokenizer = load_tokenizer_dir(model_dir)
