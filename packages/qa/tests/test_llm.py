@@ -235,3 +235,63 @@ def test_smollm_passes_the_no_repeat_processor(fake_smollm: FakeSmolLM, n: int) 
 def test_no_repeat_ngram_refuses_one_and_negatives(bad: int) -> None:
     with pytest.raises(ConfigError, match=f"no_repeat_ngram must be 0 \\(off\\) or >= 2, got {bad}"):
         SmolLMGenerator(no_repeat_ngram=bad)
+
+
+EXIT_SCRIPT = """
+import sys, torch
+from megalith_qa.documents import ScoredChunk
+from megalith_qa.llm import GenerationRequest, SmolLMGenerator
+
+class Tokenizer:
+    eos_token_id = 0
+    def apply_chat_template(self, messages, **kwargs):
+        return {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
+    def decode(self, ids, **kwargs):
+        return "".join(f"w{i} " for i in ids)
+
+class Model:  # torch work per token, as SmolLM2's forward is: exiting under it aborted the process
+    generation_config = None
+    def generate(self, **kwargs):
+        streamer, ids, a = kwargs["streamer"], kwargs["input_ids"], torch.randn(384, 384)
+        streamer.put(ids)
+        for i in range(kwargs["max_new_tokens"]):
+            if bool(kwargs["stopping_criteria"](ids, None).all()):
+                break
+            for _ in range(20):
+                a = torch.tanh(a @ a)
+            ids = torch.cat([ids, torch.tensor([[i + 1]])], dim=1)
+            streamer.put(ids[:, -1])
+        streamer.end()
+        return ids
+
+gen = SmolLMGenerator()
+gen._model, gen._tokenizer = Model(), Tokenizer()
+ctx = (ScoredChunk("c", "Some context.", "s", 1.0),)
+stream = gen.stream(GenerationRequest("Go on and on.", ctx, max_new_tokens=100000))
+print("first piece:", next(stream), flush=True)
+if sys.argv[1] == "close":
+    stream.close()
+"""
+
+
+@pytest.mark.parametrize("how", ["close", "leave"])
+def test_exit_while_generating_does_not_abort(tmp_path: Path, how: str) -> None:
+    """A script that reads one piece and exits (closing the stream or not) while `generate` still
+    runs torch work in its thread: exit code 0. It was 134 ("terminate called without an active
+    exception"): the interpreter tore torch down under the running thread."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_while_generating.py"
+    script.write_text(EXIT_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), how], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "first piece: w1" in done.stdout
+    assert "terminate called" not in done.stderr
+
+
+def test_cache_dir_may_be_a_string(tmp_path: Path) -> None:
+    gen = SmolLMGenerator(cache_dir=str(tmp_path))
+    assert gen.cache_dir == tmp_path and gen.cached_model_dir() is None  # nothing converted there yet

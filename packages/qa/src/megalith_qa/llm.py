@@ -8,6 +8,7 @@ is "length" when `max_new_tokens` cut the answer short (OpenAI's meaning), else 
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import logging
 import math
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM_CACHE_NAME = "smollm2-135m-instruct"
 COMPLETE_MARKER = ".megalith-complete"  # written last into a converted model folder
+EXIT_WAIT_S = 30.0  # how long interpreter exit waits for running generations to stop
 NO_ANSWER = "I could not find an answer in the knowledge base."
 # one piece per `memory.approx_tokens` token (a word, a CJK character or a punctuation mark), with the
 # whitespace before it, so that the pieces join back into the text and each counts as exactly one token
@@ -207,6 +209,24 @@ def _cancel_criteria(transformers: Any, cancel: threading.Event) -> Any:
     return transformers.StoppingCriteriaList([_Cancelled()])
 
 
+_running: dict[threading.Thread, threading.Event] = {}  # generation threads and their cancel events
+_running_lock = threading.Lock()
+
+
+@atexit.register
+def _stop_generations() -> None:
+    """At interpreter exit, cancel every running `model.generate` and wait for it to stop at its
+    next token. Exiting while one ran in its daemon thread aborted the process (torch's C++ state
+    torn down under it: "terminate called without an active exception", exit code 134)."""
+    with _running_lock:
+        running = list(_running.items())
+    for _, cancel in running:
+        cancel.set()
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for thread, _ in running:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
 class SmolLMGenerator:
     """SmolLM2-135M-Instruct, greedy decoding on CPU. The GGUF is converted once and cached under `cache_dir`.
 
@@ -219,7 +239,7 @@ class SmolLMGenerator:
 
     def __init__(
         self,
-        cache_dir: Path | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
         stall_timeout_s: float = 120.0,
         poll_s: float = 0.5,
         no_repeat_ngram: int = 6,
@@ -227,7 +247,7 @@ class SmolLMGenerator:
         if not stall_timeout_s > 0 or not poll_s > 0:
             raise ConfigError(f"timeouts must be > 0, got stall_timeout_s={stall_timeout_s} poll_s={poll_s}")
         check_no_repeat_ngram(no_repeat_ngram)
-        self.cache_dir = cache_dir
+        self.cache_dir = None if cache_dir is None else Path(cache_dir)
         self.no_repeat_ngram = no_repeat_ngram
         self.stall_timeout_s = stall_timeout_s
         self.poll_s = poll_s
@@ -329,8 +349,14 @@ class SmolLMGenerator:
             except BaseException as exc:  # noqa: BLE001 - handed to the reader, which re-raises it
                 done.set_exception(exc)
                 streamer.end()
+            finally:
+                with _running_lock:
+                    _running.pop(worker, None)
 
-        threading.Thread(target=run, name="smollm2-generate", daemon=True).start()
+        worker = threading.Thread(target=run, name="smollm2-generate", daemon=True)
+        with _running_lock:
+            _running[worker] = cancel
+        worker.start()
         try:
             yield from self._drain(streamer, done, started)
             return done.result(timeout=self.stall_timeout_s)
