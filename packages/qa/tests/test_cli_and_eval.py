@@ -76,6 +76,22 @@ def test_non_loopback_host_requires_api_key() -> None:
     assert main(["--host", "10.1.2.3"]) == 2
 
 
+@pytest.mark.parametrize("key", ["", "   ", " k", "k\n"])
+def test_empty_or_padded_api_key_is_refused(key: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """An empty key would admit `Authorization: Bearer ` with no token; a padded one could never match."""
+    with pytest.raises(ConfigError, match="--api-key is empty or starts or ends with whitespace"):
+        make_config(parse_args(["--api-key", key]))
+    assert main(["--api-key", key]) == 2
+    assert "--api-key is empty" in capsys.readouterr().err
+
+
+def test_empty_api_key_variable_counts_as_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MEGALITH_QA_API_KEY", "")
+    assert make_config(parse_args([])).server.api_key is None
+    monkeypatch.setenv("MEGALITH_QA_API_KEY", "s3cret")
+    assert make_config(parse_args([])).server.api_key == "s3cret"
+
+
 def test_no_repeat_ngram_flag_reaches_the_config_and_is_checked() -> None:
     assert make_config(parse_args([])).server.no_repeat_ngram == 6
     assert make_config(parse_args(["--no-repeat-ngram", "0"])).server.no_repeat_ngram == 0

@@ -129,8 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=port_number, default=8000, help="port to bind (default 8000)")
     serve.add_argument(
         "--api-key",
-        default=os.environ.get("MEGALITH_QA_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every endpoint but /healthz (env MEGALITH_QA_API_KEY)",
+        default=os.environ.get("MEGALITH_QA_API_KEY") or None,  # an empty variable counts as unset
+        help="require 'Authorization: Bearer KEY' on every endpoint but /healthz (env MEGALITH_QA_API_KEY; "
+        "an empty key or one with outer spaces is refused)",
     )
     serve.add_argument(
         "--llm",

@@ -117,6 +117,13 @@ class ServerConfig:
     no_repeat_ngram: int = 6  # SmolLM2 never repeats an n-gram of its own answer (0: off)
 
     def __post_init__(self) -> None:
+        if self.api_key is not None and (not self.api_key.strip() or self.api_key != self.api_key.strip()):
+            # an empty key (say `--api-key "$UNSET"`) would admit `Authorization: Bearer ` with no
+            # token, and one with outer spaces could never match (the header's token is stripped)
+            raise ConfigError(
+                "--api-key is empty or starts or ends with whitespace; give a non-empty key without "
+                "outer spaces, or leave the option out to run without one (loopback hosts only)"
+            )
         if not is_loopback(self.host) and not self.api_key:
             raise ConfigError(f"--host {self.host!r} is not loopback: an --api-key is required")
         if not 0 <= self.port <= 65535:
