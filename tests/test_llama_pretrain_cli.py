@@ -183,12 +183,26 @@ def test_unknown_model_is_refused_before_ranks_start(tmp_path, capsys, monkeypat
     assert not (tmp_path / "o").exists()
 
 
-def test_missing_sft_file_is_refused_before_ranks_start(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize(
+    ("command", "extra", "expected"),
+    [
+        ("sft", ["--data", "{tmp}/none.jsonl"], "SFT file not found: {tmp}/none.jsonl"),
+        ("train", ["--resume", "{tmp}/step_9"], "checkpoint {tmp}/step_9 does not exist"),
+        ("train", ["--nproc-per-node", "0"], "--nproc-per-node must be >= 1, got 0"),
+    ],
+)
+def test_missing_inputs_are_refused_before_ranks_start(
+    tmp_path, capsys, monkeypatch, command, extra, expected
+):
+    """A missing SFT file or --resume checkpoint, or no ranks at all: one error from the launching
+    process (the first two reached the ranks, and --nproc-per-node 0 ran one process)."""
     import megalith.distributed as distributed
+    from megalith_llama import train
     from megalith_llama.cli import main
 
     monkeypatch.setattr(distributed, "relaunch", lambda *a, **k: pytest.fail("ranks were started"))
-    argv = ["sft", *_cmd(tmp_path, tmp_path / "o")[4:], "--data", str(tmp_path / "none.jsonl")]
+    monkeypatch.setattr(train, "run_training", lambda cfg: pytest.fail("training started"))
+    argv = [command, *_cmd(tmp_path, tmp_path / "o")[4:], *(a.format(tmp=tmp_path) for a in extra)]
     assert main(argv) == 2
-    assert f"SFT file not found: {tmp_path / 'none.jsonl'}" in capsys.readouterr().err
+    assert expected.format(tmp=tmp_path) in capsys.readouterr().err
     assert not (tmp_path / "o").exists()

@@ -166,6 +166,10 @@ def relaunch_if_needed(args: argparse.Namespace) -> int | None:
     from megalith.distributed import relaunch, under_launcher
 
     nproc = args.nproc_per_node if args.nproc_per_node is not None else default_nproc(args.device)
+    if nproc < 1:
+        from megalith.common.errors import ConfigError
+
+        raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
     if nproc > 1 and not under_launcher():
         return relaunch(nproc, [args.command, *_argv_after_command(args)], module="megalith_llama.cli")
     return None
@@ -184,8 +188,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def check_inputs(cfg: TrainConfig) -> None:
     """What the ranks would read first, checked before they start: --model (a built-in name or an
-    existing path), --data (a `prepare` output) and the SFT file (present)."""
-    from megalith.common.errors import DataError
+    existing path), --data (a `prepare` output), the SFT file and a --resume checkpoint (present)."""
+    from megalith.common.errors import CheckpointError, DataError
     from megalith_llama.dataset import load_manifest
     from megalith_llama.model import check_model_source
 
@@ -195,6 +199,8 @@ def check_inputs(cfg: TrainConfig) -> None:
         load_manifest(cfg.data)
     if cfg.sft_data and not Path(cfg.sft_data).is_file():
         raise DataError(f"SFT file not found: {cfg.sft_data}")
+    if cfg.resume not in (None, "auto") and not Path(cfg.resume).exists():
+        raise CheckpointError(f"checkpoint {cfg.resume} does not exist")
 
 
 def run(args: argparse.Namespace) -> int:
