@@ -60,3 +60,21 @@ def test_chat_loop_streams_the_greedy_reply(bpe_tokenizer) -> None:
     expected = bpe_tokenizer.decode(ref[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
     assert messages[2]["content"] == expected
     assert out.getvalue() == f"you> assistant> {expected}\nyou> you> "
+
+
+def test_chat_config_names_the_bad_flag() -> None:
+    import pytest
+
+    from megalith.common.errors import ConfigError
+
+    for kwargs, message in (
+        ({"max_new_tokens": 0}, "--max-new-tokens must be > 0, got 0"),
+        ({"temperature": -0.5}, "--temperature must be >= 0 (0 is greedy), got -0.5"),
+        ({"temperature": float("nan")}, "--temperature must be >= 0 (0 is greedy), got nan"),
+        ({"top_p": 0.0}, "--top-p must be in (0, 1], got 0.0"),
+        ({"top_p": 1.5}, "--top-p must be in (0, 1], got 1.5"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            ChatConfig(**kwargs)
+        assert str(err.value) == message
+    assert ChatConfig(temperature=0.0, top_p=1.0).max_new_tokens == 256

@@ -26,11 +26,12 @@ class ChatConfig:
     timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens <= 0 or self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ConfigError(
-                f"need max_new_tokens > 0, temperature >= 0, 0 < top_p <= 1; got {self.max_new_tokens}, "
-                f"{self.temperature}, {self.top_p}"
-            )
+        if not self.max_new_tokens > 0:
+            raise ConfigError(f"--max-new-tokens must be > 0, got {self.max_new_tokens}")
+        if not self.temperature >= 0:  # NaN fails too
+            raise ConfigError(f"--temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
 
 
 def stream_reply(
