@@ -182,3 +182,28 @@ def test_gradient_is_zero_exactly_where_a_clip_is_active(
         assert loss >= -ratio * adv - 1e-5
     elif adv < 0:  # dual clip caps the loss of negative-advantage tokens at -c A
         assert loss <= -dual * adv + 1e-5
+
+
+def test_nan_settings_are_refused() -> None:
+    """`x < 0` checks let NaN through (every comparison with NaN is false); each of these did."""
+    from megalith.common.errors import ConfigError
+    from megalith_chat.algorithms.policy_loss import PolicyLossConfig, check_clip
+    from megalith_chat.algorithms.preference import dpo_loss, orpo_loss
+    from megalith_chat.rollout.generation import SamplingConfig
+    from megalith_chat.trainer.grpo import LearnerConfig
+
+    nan = float("nan")
+    logps = torch.full((2,), -1.0)
+    cases = [
+        (lambda: check_clip(0.2, nan, None), "eps_high"),
+        (lambda: check_clip(0.2, None, nan), "dual_clip"),
+        (lambda: PolicyLossConfig(kl_coef=nan), "kl_coef"),
+        (lambda: PolicyLossConfig(tis_cap=nan), "tis_cap"),
+        (lambda: LearnerConfig(max_grad_norm=nan), "max_grad_norm"),
+        (lambda: SamplingConfig(temperature=nan), "temperature"),
+        (lambda: dpo_loss(logps, logps, logps, logps, beta=nan), "beta"),
+        (lambda: orpo_loss(logps, logps, lam=nan), "lambda"),
+    ]
+    for make, name in cases:
+        with pytest.raises(ConfigError, match=name):
+            make()

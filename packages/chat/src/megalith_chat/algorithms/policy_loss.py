@@ -40,9 +40,9 @@ def check_clip(eps_low: float, eps_high: float | None, dual_clip: float | None) 
     """The clip ranges PPO-clip accepts: ``0 <= eps_low < 1``, ``eps_high >= 0``, ``dual_clip > 1``."""
     if not 0.0 <= eps_low < 1.0:
         raise ConfigError(f"need 0 <= eps_low < 1, got eps_low={eps_low}")
-    if eps_high is not None and eps_high < 0.0:
+    if eps_high is not None and not eps_high >= 0.0:  # NaN fails too
         raise ConfigError(f"need eps_high >= 0, got eps_high={eps_high}")
-    if dual_clip is not None and dual_clip <= 1.0:
+    if dual_clip is not None and not dual_clip > 1.0:
         raise ConfigError(f"need dual_clip > 1, got dual_clip={dual_clip}")
 
 
@@ -135,9 +135,9 @@ class PolicyLossConfig:
             raise ConfigError(f"unknown agg_mode {self.agg_mode!r}; expected one of {AGG_MODES}")
         if self.kl_estimator not in ("k1", "k2", "k3"):
             raise ConfigError(f"unknown kl_estimator {self.kl_estimator!r}; expected 'k1', 'k2' or 'k3'")
-        if self.kl_coef < 0:
+        if not self.kl_coef >= 0:  # NaN fails too
             raise ConfigError(f"kl_coef must be >= 0, got {self.kl_coef}")
-        if self.tis_cap is not None and self.tis_cap <= 0:
+        if self.tis_cap is not None and not self.tis_cap > 0:
             raise ConfigError(f"tis_cap must be > 0, got {self.tis_cap}")
 
 

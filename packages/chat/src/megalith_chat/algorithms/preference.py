@@ -36,7 +36,7 @@ class PreferenceLossOutput:
 
 
 def _check_beta(beta: float) -> None:
-    if beta <= 0:
+    if not beta > 0:  # NaN fails too
         raise ConfigError(f"beta must be > 0, got {beta}")
 
 
@@ -121,7 +121,7 @@ def orpo_loss(
     Implicit rewards: the log-odds of each response. Inputs must be ``< 0`` (probabilities < 1).
     """
     _check_same_shape(chosen_avg_logps=chosen_avg_logps, rejected_avg_logps=rejected_avg_logps)
-    if lam < 0:
+    if not lam >= 0:  # NaN fails too
         raise ConfigError(f"ORPO lambda must be >= 0, got {lam}")
     if bool((chosen_avg_logps >= 0).any() or (rejected_avg_logps >= 0).any()):
         raise ConfigError("ORPO needs average log-probs < 0 (a probability of 1 has infinite odds)")

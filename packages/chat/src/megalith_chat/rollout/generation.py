@@ -36,7 +36,7 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # NaN fails too
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
 
 

@@ -66,7 +66,7 @@ class LearnerConfig:
             )
         if self.micro_batch_size < 1:
             raise ConfigError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        if self.max_grad_norm <= 0:
+        if not self.max_grad_norm > 0:  # NaN fails too
             raise ConfigError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
 
 
