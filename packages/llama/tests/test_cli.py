@@ -194,6 +194,16 @@ def test_bad_values_name_the_value(capsys, bpe_tokenizer_dir: Path, tmp_path: Pa
     assert code == 2 and "--clip must be >= 0 (0 turns clipping off), got -1.0" in err
     code, _, err = _run(capsys, *train, "--keep-checkpoints", "0")
     assert code == 2 and "--keep-checkpoints must be > 0, got 0" in err
+    for flag, value, message in (  # these reached the ranks: torch's ValueError, or the schedule's check
+        ("--weight-decay", "-1", "--weight-decay must be >= 0, got -1.0"),
+        ("--warmup-steps", "-2", "--warmup-steps must be >= 0, got -2"),
+        ("--min-lr-ratio", "nan", "--min-lr-ratio must be in [0, 1], got nan"),
+        ("--decay-fraction", "0", "--decay-fraction must be in (0, 1], got 0.0"),
+    ):
+        code, _, err = _run(capsys, *train, flag, value)
+        assert code == 2 and message in err, err
+    code, _, err = _run(capsys, "sft", *train[1:], "--data", str(src), "--neftune-alpha", "-1")
+    assert code == 2 and "--neftune-alpha must be >= 0, got -1.0" in err
     (tmp_path / "run" / "checkpoints" / "step_00000010").mkdir(parents=True)
     code, _, err = _run(capsys, *train)  # refused before any rank or model is started
     assert code == 2 and "already holds checkpoints of an earlier run (step_00000010)" in err

@@ -59,23 +59,13 @@ class TrainConfig:
     def __post_init__(self) -> None:
         from megalith.common.errors import ConfigError
 
-        positive = (
-            "lr", "grad_accum", "batch_size", "seq_len", "max_steps", "save_every", "eval_batches",
-            "keep_checkpoints",
-        )  # fmt: skip
-        for name in positive:
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
-        if not self.clip >= 0:  # also refuses nan
-            raise ConfigError(f"--clip must be >= 0 (0 turns clipping off), got {self.clip}")
+        self._check_numbers()
         if self.overwrite and self.resume is not None:
             raise ConfigError(
                 f"--overwrite starts a fresh run; it cannot be combined with --resume {self.resume}"
             )
         if self.schedule not in ("cosine", "wsd", "constant"):
             raise ConfigError(f"--schedule must be cosine, wsd or constant, got {self.schedule!r}")
-        if self.max_tokens is not None and self.max_tokens <= 0:
-            raise ConfigError(f"--max-tokens must be > 0, got {self.max_tokens}")
         if self.pp < 1:
             raise ConfigError(f"--pp must be >= 1, got {self.pp}")
         from megalith.booster.plugins import check_plugin_name
@@ -91,6 +81,29 @@ class TrainConfig:
             from megalith_llama.pp import resolve_microbatches
 
             resolve_microbatches(self.pp, self.batch_size, self.num_microbatches)
+
+    def _check_numbers(self) -> None:
+        """Each numeric flag in its range (written so that NaN fails too): a ConfigError naming it."""
+        from megalith.common.errors import ConfigError
+
+        positive = (
+            "lr", "grad_accum", "batch_size", "seq_len", "max_steps", "save_every", "eval_batches",
+            "keep_checkpoints",
+        )  # fmt: skip
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if not self.clip >= 0:
+            raise ConfigError(f"--clip must be >= 0 (0 turns clipping off), got {self.clip}")
+        for name in ("weight_decay", "warmup_steps", "neftune_alpha"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0 < self.decay_fraction <= 1:
+            raise ConfigError(f"--decay-fraction must be in (0, 1], got {self.decay_fraction}")
+        if self.max_tokens is not None and not self.max_tokens > 0:
+            raise ConfigError(f"--max-tokens must be > 0, got {self.max_tokens}")
 
 
 def kernel_names(spec: str) -> frozenset[str]:
