@@ -18,15 +18,34 @@ import sys
 import time
 
 
+def positive(kind: type) -> object:
+    """An argparse type: a number of `kind` that is > 0 (NaN refused), else a usage error naming it."""
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not value > 0:
+            raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+        return value
+
+    return parse
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc-per-node", type=int, default=2, help="local processes to launch (default 2)")
+    p.add_argument(
+        "--nproc-per-node", type=positive(int), default=2, help="local processes to launch (default 2)"
+    )
     p.add_argument("--stage", type=int, default=2, choices=[1, 2], help="ZeRO stage (default 2)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="training precision")
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
-    p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step (default 4)")
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    p.add_argument("--steps", type=positive(int), default=30, help="optimizer steps (default 30)")
+    p.add_argument(
+        "--batch-size", type=positive(int), default=4, help="sequences per rank per step (default 4)"
+    )
+    p.add_argument("--seq-len", type=positive(int), default=64, help="tokens per sequence (default 64)")
+    p.add_argument("--lr", type=positive(float), default=3e-3, help="AdamW learning rate (default 3e-3)")
     return p.parse_args(argv)
 
 

@@ -38,3 +38,12 @@ def test_train_zero_example_rejects_bad_flag():
         check=False,
     )
     assert out.returncode == 2 and "invalid choice: 3" in out.stderr
+    for flag, value in (("--steps", "0"), ("--nproc-per-node", "0"), ("--lr", "nan"), ("--seq-len", "x")):
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "examples" / "train_zero.py"), flag, value],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert out.returncode == 2 and f"argument {flag}: must be a number > 0, got '{value}'" in out.stderr
