@@ -103,12 +103,22 @@ def test_lora_alpha_follows_the_rank() -> None:
         (["--prompts-per-step", "0"], "--prompts-per-step must be >= 1, got 0"),
         (["--lr", "-1"], "--lr must be a number > 0, got -1.0"),
         (["--lora-r", "-2"], "--lora-r must be >= 0, got -2"),
+        (["--temperature", "nan"], "--temperature must be >= 0, got nan"),
+        (["--kl-coef", "-0.1"], "--kl-coef must be >= 0, got -0.1"),
+        (["--lora-r", "4", "--lora-alpha", "nan"], "LoRA needs r >= 1, alpha > 0"),
     ],
 )
 def test_bad_grpo_flags_fail_in_grpo_config(argv: list[str], named: str) -> None:
     with pytest.raises(ConfigError) as info:
         _config(*argv)
     assert named in str(info.value)
+
+
+def test_dpo_beta_is_named_by_its_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from megalith_chat.cli import main
+
+    assert main(["dpo", "--data", "x.jsonl", "--beta", "nan"]) == 2
+    assert "--beta must be a number > 0, got nan" in capsys.readouterr().err
 
 
 def test_joining_a_cluster_checks_only_the_reward_spec_form() -> None:

@@ -329,7 +329,7 @@ def check_supervised_args(args: argparse.Namespace) -> None:
 
     _check_minimums(args, {**COMMON_MINIMUMS, **SUPERVISED_MINIMUMS})
     check_max_length(args.max_length, "--max-length")
-    _check_positive(args, ("lr",))
+    _check_positive(args, ("lr", "beta") if args.command == "dpo" else ("lr",))
     check_parallel_flags(args)
     check_model_spec(args.model)
     if not Path(args.data).is_file():
@@ -349,6 +349,9 @@ def check_grpo_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--clip-eps must be in [0, 1), got {args.clip_eps}")
     if not args.clip_eps_high >= 0.0:
         raise ConfigError(f"--clip-eps-high must be >= 0, got {args.clip_eps_high}")
+    for name in ("temperature", "kl_coef"):  # NaN fails too
+        if not getattr(args, name) >= 0.0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.prompts is not None and not Path(args.prompts).is_file():
         raise ConfigError(f"--prompts {args.prompts}: no such file")
     if args.reward is not None and args.ray_address is None:

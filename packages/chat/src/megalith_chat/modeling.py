@@ -101,7 +101,7 @@ class LoraSpec:
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 
     def __post_init__(self) -> None:
-        if self.r < 1 or self.alpha <= 0 or not 0 <= self.dropout < 1:
+        if self.r < 1 or not self.alpha > 0 or not 0 <= self.dropout < 1:  # NaN alpha fails too
             raise ConfigError(f"LoRA needs r >= 1, alpha > 0, 0 <= dropout < 1; got {self}")
         if not self.target_modules:
             raise ConfigError("LoRA needs at least one target module")
