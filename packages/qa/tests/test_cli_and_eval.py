@@ -111,6 +111,16 @@ def test_cli_ingest_then_reingest(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert main(["ingest", str(tmp_path / "missing.txt"), "--data-dir", str(tmp_path / "d")]) == 2
 
 
+def test_cli_ingest_checks_paths_before_loading_the_embedder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import megalith_qa.cli as cli
+
+    monkeypatch.setattr(cli, "build_pipeline", lambda *a, **k: pytest.fail("the pipeline was built"))
+    assert main(["ingest", str(tmp_path / "missing.txt"), "--data-dir", str(tmp_path / "d")]) == 2
+    assert "missing.txt" in capsys.readouterr().err
+
+
 def test_cli_ingest_folder_with_a_bad_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A folder holding a non-UTF-8 .txt and an empty .md: by default the command stops naming the
     first bad file's path and stores nothing; with --skip-bad the good file is ingested and each bad

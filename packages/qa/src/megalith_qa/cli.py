@@ -215,9 +215,11 @@ def make_config(ns: argparse.Namespace, llm: str = "extractive") -> QAConfig:
 
 
 def cmd_ingest(ns: argparse.Namespace) -> int:
-    from megalith_qa.knowledge import BadFileError
+    from megalith_qa.knowledge import BadFileError, expand_sources
 
-    pipeline = build_pipeline(make_config(ns), ns.embedder)
+    config = make_config(ns)
+    expand_sources(ns.paths)  # a missing path or a name clash is reported before the embedder loads
+    pipeline = build_pipeline(config, ns.embedder)
     try:
         results = pipeline.kb.ingest_paths(ns.paths, progress=True, skip_bad=ns.skip_bad)
     except BadFileError as exc:
