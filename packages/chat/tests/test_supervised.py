@@ -89,6 +89,20 @@ def test_supervised_bad_inputs(
     assert f"--data {tmp_path / 'none.jsonl'}: no such file" in capsys.readouterr().err
 
 
+def test_failed_ranks_give_their_exit_code(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With --nproc-per-node 2 the command exits with the first failed rank's code (the launcher
+    has printed which rank failed), without an error line of its own."""
+    import megalith.distributed as distributed
+
+    monkeypatch.setattr(distributed, "relaunch", lambda *a, **k: 3)
+    data = _write(tmp_path / "ok.jsonl", [{"prompt": "hi", "response": "there"}])
+    argv = ["sft", "--model", str(model_dir), "--data", str(data), "--nproc-per-node", "2"]
+    assert main([*argv, "--out", str(tmp_path / "o")]) == 3
+    assert "error" not in capsys.readouterr().err
+
+
 def test_truncation_that_leaves_no_trained_token_names_the_line(chat_tokenizer: Any, tmp_path: Path) -> None:
     """A prompt that fills --max-length leaves a side with no trained token: DataError at file:line."""
     from megalith.common.errors import DataError

@@ -19,7 +19,13 @@ from pathlib import Path
 
 from megalith.common.errors import ConfigError, MegalithError
 from megalith.common.logging import configure_logging
-from megalith_chat.commands import add_grpo_parser, add_supervised_parsers, run_grpo, run_supervised
+from megalith_chat.commands import (
+    RanksFailed,
+    add_grpo_parser,
+    add_supervised_parsers,
+    run_grpo,
+    run_supervised,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     try:
         print(handlers[args.command](args))
+    except RanksFailed as exc:  # the ranks and the launcher have printed why
+        return exc.code
     except MegalithError as exc:
         print(f"chat-train {args.command}: error: {exc}", file=sys.stderr)
         return 2

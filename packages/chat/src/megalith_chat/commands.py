@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from megalith.common.errors import ConfigError
+from megalith.common.errors import ConfigError, DistributedError
 
 DEFAULT_PREFIX = "<answer>"
 DEFAULT_SYSTEM = (
@@ -466,6 +466,15 @@ def run_grpo(args: argparse.Namespace) -> str:
     )
 
 
+class RanksFailed(DistributedError):
+    """The re-launched ranks failed; they and the launcher have said why, so the command only
+    exits with ``code``, the first failed rank's."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"the distributed run exited with code {code}")
+        self.code = code
+
+
 def run_supervised(args: argparse.Namespace) -> str:
     """sft / dpo / rm, in this process or re-launched on ``--nproc-per-node`` ranks."""
     from megalith.distributed import launch, relaunch, shutdown, under_launcher
@@ -476,7 +485,7 @@ def run_supervised(args: argparse.Namespace) -> str:
 
         code = relaunch(args.nproc_per_node, sys.argv[1:], module="megalith_chat.cli")
         if code != 0:
-            raise ConfigError(f"the distributed run exited with code {code}")
+            raise RanksFailed(code)
         return f"finished on {args.nproc_per_node} ranks; outputs in {args.out}"
     launch()
     try:
