@@ -251,15 +251,11 @@ def load_model(
     if path is None and name in TINY_CONFIGS:
         tok = tok if tok is not None else load_tokenizer(None, data_dir)
         model = _init_tiny(name, tok, dtype, seed)
-    elif path is None and name == DEFAULT_MODEL:
-        path = default_model_dir(data_dir)
-        model = _load_hf_dir(path, dtype)
-        tok = tok if tok is not None else load_tokenizer(path)
     elif path is not None and path.suffix == ".gguf":
         model, gguf_tok = _load_gguf(path, dtype)
         tok = tok if tok is not None else gguf_tok
-    else:
-        assert path is not None  # check_model_source refused other names
+    else:  # an HF directory: the given one, or the default model's (check_model_source refused others)
+        path = path or default_model_dir(data_dir)
         model = _load_hf_dir(path, dtype)
         tok = tok if tok is not None else load_tokenizer(path)
     check_vocab(tok, model)

@@ -218,10 +218,10 @@ def cmd_ingest(ns: argparse.Namespace) -> int:
     from megalith_qa.knowledge import BadFileError, expand_sources
 
     config = make_config(ns)
-    expand_sources(ns.paths)  # a missing path or a name clash is reported before the embedder loads
+    files = expand_sources(ns.paths)  # a missing path or a name clash: reported before the embedder loads
     pipeline = build_pipeline(config, ns.embedder)
     try:
-        results = pipeline.kb.ingest_paths(ns.paths, progress=True, skip_bad=ns.skip_bad)
+        results = pipeline.kb.ingest_files(files, progress=True, skip_bad=ns.skip_bad)
     except BadFileError as exc:
         raise BadFileError(f"{exc}; nothing was ingested (--skip-bad leaves such files out)") from exc
     for r in results:

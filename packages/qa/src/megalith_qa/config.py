@@ -117,7 +117,7 @@ class ServerConfig:
     no_repeat_ngram: int = 6  # SmolLM2 never repeats an n-gram of its own answer (0: off)
 
     def __post_init__(self) -> None:
-        if self.api_key is not None and (not self.api_key.strip() or self.api_key != self.api_key.strip()):
+        if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
             # an empty key (say `--api-key "$UNSET"`) would admit `Authorization: Bearer ` with no
             # token, and one with outer spaces could never match (the header's token is stripped)
             raise ConfigError(

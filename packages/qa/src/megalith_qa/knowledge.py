@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from tqdm import tqdm
@@ -140,7 +140,13 @@ class KnowledgeBase:
     def ingest_paths(
         self, paths: Iterable[str | Path], progress: bool = False, skip_bad: bool = False
     ) -> list[IngestResult]:
-        """Ingest files (and supported files under directories), named as `expand_sources` says.
+        """Ingest files (and supported files under directories), named as `expand_sources` says."""
+        return self.ingest_files(expand_sources(paths), progress, skip_bad)
+
+    def ingest_files(
+        self, files: Mapping[str, Path], progress: bool = False, skip_bad: bool = False
+    ) -> list[IngestResult]:
+        """Ingest ``files`` (source name -> file, as `expand_sources` gives them).
 
         Every file is read and parsed before anything is stored. One that cannot be (not UTF-8,
         malformed JSON, an unreadable PDF, no text, ...) raises `BadFileError` naming its path, and
@@ -148,7 +154,7 @@ class KnowledgeBase:
         others) whose `error` says why."""
         docs: list[SourceDocument] = []
         skipped: list[IngestResult] = []
-        for name, path in expand_sources(paths).items():
+        for name, path in files.items():
             try:
                 doc = load_bytes(name, path.read_bytes())
                 if not doc.text.strip():

@@ -6,6 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
+from megalith.common.errors import CheckpointError, ConfigError, DataError
 from megalith_llama.train_config import TrainConfig, defaults
 
 HELP = "continual pretraining (default: SmolLM2-135M-Instruct on Python's own docs, 2 CPU ranks, ZeRO-2)"
@@ -167,8 +168,6 @@ def relaunch_if_needed(args: argparse.Namespace) -> int | None:
 
     nproc = args.nproc_per_node if args.nproc_per_node is not None else default_nproc(args.device)
     if nproc < 1:
-        from megalith.common.errors import ConfigError
-
         raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
     if nproc > 1 and not under_launcher():
         return relaunch(nproc, [args.command, *_argv_after_command(args)], module="megalith_llama.cli")
@@ -189,7 +188,6 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def check_inputs(cfg: TrainConfig) -> None:
     """What the ranks would read first, checked before they start: --model (a built-in name or an
     existing path), --data (a `prepare` output), the SFT file and a --resume checkpoint (present)."""
-    from megalith.common.errors import CheckpointError, DataError
     from megalith_llama.dataset import load_manifest
     from megalith_llama.model import check_model_source
 
