@@ -4,14 +4,36 @@
 from __future__ import annotations
 
 import datetime as _dt
+import importlib.util
 import json
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
+WORKSPACE = Path(__file__).resolve().parent.parent
+PACKAGES = {"megalith": "core", "megalith_chat": "chat", "megalith_llama": "llama", "megalith_qa": "qa"}
+
+
+def use_workspace_sources() -> list[str]:
+    """Put the source folder of each workspace package that is not installed on ``sys.path``, so
+    ``python3 benchmarks/X.py`` runs from a plain checkout with any Python that has torch (a GPU
+    machine's system Python, no ``uv sync``). The child processes a benchmark starts import this
+    module too, so they find the same packages. Installed packages (``uv run``) are left alone.
+    Returns the folders added."""
+    added = []
+    for module, folder in PACKAGES.items():
+        src = WORKSPACE / "packages" / folder / "src"
+        if importlib.util.find_spec(module) is None and src.is_dir():
+            sys.path.insert(0, str(src))
+            added.append(str(src))
+    return added
+
+
+use_workspace_sources()
 
 
 def environment() -> dict[str, Any]:
