@@ -245,3 +245,21 @@ def test_write_text_replaces_the_file_or_leaves_it(tmp_path, monkeypatch):
         atomic.write_text(path, "newer\n")
     assert path.read_text() == "new\n"
     assert [p.name for p in path.parent.iterdir()] == ["eval.json"]
+
+
+def test_hybrid_plugin_refuses_an_optimizer_checkpoint_of_other_sizes(tmp_path: Path) -> None:
+    """HybridPlugin reads both optimizer formats through its own reader (full parameters sliced into
+    tp blocks): a DCP one (save_state's) and a piece one of another model are refused by name
+    before anything changes."""
+    from megalith.booster.plugins import HybridPlugin
+    from megalith.tensor_parallel import TensorParallelPlan
+
+    _save_all("ddp", tmp_path)
+    booster, net = Booster(HybridPlugin(tp_size=1, policy=TensorParallelPlan(layers={}))), Net(6)
+    model, opt, *_ = booster.boost(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    errors = {}
+    for what, directory in (("dcp", tmp_path / "state" / "optimizer"), ("pieces", tmp_path / "optim_pieces")):
+        with pytest.raises(CheckpointError) as caught:
+            booster.load_optimizer(opt, directory)
+        errors[what] = str(caught.value)
+    _assert_names_a_bias(errors, True, "hybrid")

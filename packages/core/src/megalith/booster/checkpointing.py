@@ -223,13 +223,7 @@ def check_optimizer_dcp(opt: BoostedOptimizer, reader: DCPReader, directory: Pat
     missing = sorted({r.name for _, refs in owned for r in refs if MASTER not in saved.get(r.name, ())})
     if missing:
         raise CheckpointError(f"optimizer checkpoint {directory} has no state for parameter {missing[0]!r}")
-    fqns = reader.fqns()
-
-    def saved_numel(name: str) -> int | None:
-        fqn = f"{name}{SEP}{MASTER}"
-        return reader.numel(fqn) if fqn in fqns else None
-
-    check_param_numels(opt.param_numels(), saved_numel, directory)
+    check_param_numels(opt.param_numels(), reader.master_numel, directory)
 
 
 def _requests(owned: list[tuple[torch.Tensor, list[PieceRef]]], saved: dict[str, set[str]]) -> list[Request]:

@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megalith.checkpoint.optimizer_io import MASTER, SEP
 from megalith.checkpoint.state_io import UNREADABLE, read_json
 from megalith.common.errors import CheckpointError
 
@@ -240,6 +241,11 @@ class DCPReader:
 
     def fqns(self) -> set[str]:
         return set(self._tensors)
+
+    def master_numel(self, name: str) -> int | None:
+        """numel of parameter `name`'s saved master copy (an optimizer checkpoint), None if absent."""
+        fqn = f"{name}{SEP}{MASTER}"
+        return math.prod(self._tensors[fqn].size) if fqn in self._tensors else None
 
     def numel(self, fqn: str) -> int:
         if fqn not in self._tensors:

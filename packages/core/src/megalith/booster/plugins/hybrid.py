@@ -345,10 +345,7 @@ class HybridPlugin(Plugin):
         from megalith.booster.checkpointing import load_optimizer_dcp  # (imports the plugins)
 
         dcp_reader = ShardedDCPReader(directory, self._params)
-        fqns = dcp_reader.fqns()
-        check_param_numels(
-            full, lambda n: dcp_reader.numel(f"{n}::master") if f"{n}::master" in fqns else None, directory
-        )
+        check_param_numels(full, dcp_reader.master_numel, directory)
         with getattr(optimizer, "local_loads", nullcontext)():  # tp optimizers read in block coordinates
             load_optimizer_dcp(optimizer, directory, dcp_reader)
 
