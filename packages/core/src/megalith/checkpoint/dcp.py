@@ -245,7 +245,7 @@ class DCPReader:
     def master_numel(self, name: str) -> int | None:
         """numel of parameter `name`'s saved master copy (an optimizer checkpoint), None if absent."""
         fqn = f"{name}{SEP}{MASTER}"
-        return math.prod(self._tensors[fqn].size) if fqn in self._tensors else None
+        return self.numel(fqn) if fqn in self._tensors else None
 
     def numel(self, fqn: str) -> int:
         if fqn not in self._tensors:
