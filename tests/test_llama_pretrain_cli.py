@@ -14,6 +14,8 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
+STEPS = 16  # checkpoints at steps 5, 10 and 15; the second run is killed after step 7
+
 
 def _tokenizer_dir(root: Path) -> Path:
     """A small byte-level BPE trained on Python's own docs (built here, nothing downloaded)."""
@@ -61,7 +63,7 @@ def _cmd(tmp: Path, output: Path, *extra: str) -> list[str]:
         "--batch-size",
         "2",
         "--max-steps",
-        "40",
+        str(STEPS),
         "--save-every",
         "5",
         "--lr",
@@ -103,7 +105,7 @@ def test_train_two_ranks_exports_hf_and_resumes_exactly(tmp_path):
     assert model.config.num_hidden_layers == 2
     assert (straight / "loss.png").stat().st_size > 0
     reference = _losses(straight)
-    assert sorted(reference) == list(range(1, 41))
+    assert sorted(reference) == list(range(1, STEPS + 1))
 
     # Same run, killed with SIGKILL once step 7 is logged (a checkpoint exists at step 5) ...
     killed = tmp_path / "killed"
@@ -127,7 +129,7 @@ def test_train_two_ranks_exports_hf_and_resumes_exactly(tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     log.close()
-    assert 40 not in _losses(killed), "the run finished before it could be killed"
+    assert STEPS not in _losses(killed), "the run finished before it could be killed"
 
     # ... and restarted with --resume auto: the same per-step losses, bitwise.
     resumed = subprocess.run(
