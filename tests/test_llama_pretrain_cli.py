@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-STEPS = 16  # checkpoints at steps 5, 10 and 15; the second run is killed after step 7
+STEPS = 16  # checkpoints at steps 5, 10, 15 and 16 (the last); the second run is killed after step 7
 
 
 def _tokenizer_dir(root: Path) -> Path:
