@@ -7,9 +7,8 @@ Each system runs in its own process (``--worker``); the main process measures th
 and writes ``benchmarks/results/gpu_generate_<card>.json`` (``h200``, ``h100``, ...). ``fast`` is the engine's default
 configuration (split-KV Triton decode attention, compiled elementwise ops, fused decode prologue,
 CUDA graphs); it is also timed with the QKV prologue as a kernel of its own instead of inside the
-decode attention (``separate_prologue_tokens_per_s``), then as the default again, then with the QKV
-projection by the split-K kernel (``splitk_qkv_tokens_per_s``, engine switch ``splitk_qkv``) and
-without it again (``splitk_qkv_off_again_tokens_per_s``), in the same process. ``fast_grouped`` is the same engine with ``share_prompts=True`` on ``B / 8`` prompts of
+decode attention (``separate_prologue_tokens_per_s``), then as the default again, in the same
+process. ``fast_grouped`` is the same engine with ``share_prompts=True`` on ``B / 8`` prompts of
 8 samples each (GRPO's groups) given as ``generate(..., group=8)``: each prompt is prefilled once and
 its cache slots are read once per group; it also records ``unshared_tokens_per_s``, the same
 prompts without ``group``, in the same process, and at the first batch the log-prob error of both
@@ -153,29 +152,6 @@ def run_hf(args: argparse.Namespace, model: Any, batch: int, static: bool) -> di
     }
 
 
-def splitk_qkv_ab(
-    args: argparse.Namespace, model: Any, engine: Any, ids: Any, mask: Any, params: Any, batch: int
-) -> dict[str, Any]:
-    """The engine with ``splitk_qkv`` on, then off again, in this process (graphs are keyed by it):
-    tokens/s of each, and at the first batch the log-prob check (and profile) with it on."""
-    from megalith_chat.engine import fast_linear
-
-    error = fast_linear.usable(engine.device, engine.dtype)
-    if error is not None:
-        return {"splitk_qkv_error": error}
-    out: dict[str, Any] = {}
-    for name, on in (("splitk_qkv", True), ("splitk_qkv_off_again", False)):
-        engine.splitk_qkv = on
-        engine.generate(ids, mask, params)
-        seconds = timed(lambda: engine.generate(ids, mask, params), args.device, 3)
-        out[f"{name}_tokens_per_s"] = batch * args.new_tokens / seconds
-        if on and batch == args.batches[0]:
-            out["splitk_qkv_check"] = correctness(args, model, engine)
-            if args.profile:
-                out["splitk_qkv_profile"] = decode_profile(args, engine, batch)
-    return out
-
-
 def run_fast(args: argparse.Namespace, model: Any, batch: int, mode: str) -> dict[str, Any]:
     from megalith_chat.engine.fast import FastEngine, FastEngineConfig
     from megalith_chat.engine.sampling import SamplingParams
@@ -229,8 +205,6 @@ def run_fast(args: argparse.Namespace, model: Any, batch: int, mode: str) -> dic
         out["check"] = correctness(args, model, engine)
         if args.profile:
             out["profile"] = decode_profile(args, engine, batch)
-    if mode == "fast" and engine.prologue_in_attention and not engine.splitk_qkv:
-        out |= splitk_qkv_ab(args, model, engine, ids, mask, params, batch)
     if args.profile and group > 1:  # the same step with and without the shared prompt slots
         out["profile"] = decode_profile(args, engine, batch, group)
         out["unshared_profile"] = decode_profile(args, engine, batch)

@@ -426,37 +426,6 @@ def test_fused_sampler_in_interpreter() -> None:
     assert float(stdout.split("NEXT")[1].split()[0]) > 0.5
 
 
-CHECK_SPLIT_K = """
-import torch
-from megalith_chat.engine.fast_linear import plan, splitk_linear
-g = torch.Generator().manual_seed(0)
-worst, shapes = 0.0, []
-# (rows, N, K): N and K off the 64 / 128 tiles, one row, 16 rows, strided input rows
-for m, n, k in [(5, 70, 300), (3, 200, 1000), (16, 64, 128), (1, 130, 260)]:
-    x = torch.randn(m, k + 3, generator=g)[:, 3:]
-    w = torch.randn(n, k + 1, generator=g)[:, 1:] / k**0.5
-    partials = splitk_linear(x, w, target_programs=8)
-    shapes.append((tuple(partials.shape), plan(n, k, target=8)[0]))
-    worst = max(worst, float((partials.sum(0) - torch.nn.functional.linear(x, w)).abs().max()))
-try:
-    splitk_linear(torch.zeros(2, 12), torch.zeros(4, 10))
-except ValueError as exc:
-    print("REFUSED", exc)
-print("SHAPES", shapes)
-print("MAXERR", worst)
-"""
-
-
-def test_split_k_projection_in_interpreter() -> None:
-    """The split-K kernel's partial sums against ``F.linear`` in the Triton interpreter: 2-3 splits
-    of K (the last one shorter), N not a multiple of the 64-column tile, 1-16 rows, rows with a
-    stride gap; an input of the wrong width is refused with both shapes named."""
-    stdout = in_interpreter(CHECK_SPLIT_K)
-    assert "SHAPES [((3, 5, 70), 3), ((2, 3, 200), 2), ((1, 16, 64), 1), ((2, 1, 130), 2)]" in stdout
-    assert "REFUSED splitk_linear: x (2, 12) does not fit w (4, 10)" in stdout
-    assert float(stdout.split("MAXERR")[1]) < 1e-5
-
-
 CHECK_FUSED_ENGINE = """
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -488,14 +457,6 @@ print("TOKENS_EQUAL", torch.equal(out.tokens, hf[:, ids.shape[1]:]), torch.equal
 with torch.no_grad():
     ref = response_logprobs(model, ids, mask, out.tokens, torch.ones_like(out.tokens))
 print("MAXERR", float((out.logprobs - ref).abs().max()), float((apart.logprobs - ref).abs().max()))
-from megalith_chat.engine import fast_linear
-fast_linear.BLOCK_N = fast_linear.BLOCK_K = 16  # tiles small enough to split the tiny model's K
-engine.splitk_qkv = True  # the QKV projection as split-K partials, summed by the attention's prologue
-split = engine.generate(ids, mask, SamplingParams(8, greedy=True))
-engine.splitk_qkv = False
-print("SPLITS", fast_linear.plan(64, 32)[0])
-print("SPLIT_TOKENS_EQUAL", torch.equal(split.tokens, out.tokens))
-print("SPLIT_MAXERR", float((split.logprobs - ref).abs().max()))
 params = SamplingParams(8, temperature=0.7)
 drawn = [engine.generate(ids, mask, params, generator=torch.Generator().manual_seed(s)) for s in (3, 3, 4)]
 with torch.no_grad():
@@ -507,8 +468,7 @@ print("REPRODUCED", torch.equal(drawn[0].tokens, drawn[1].tokens), not torch.equ
 
 def test_engine_with_fused_kernels_matches_hf() -> None:
     """The engine's decode step with its CUDA kernels (norm-folded prologue and activation, Triton
-    attention with the prologue inside it and apart, the latter also summing the split-K partials
-    of the QKV projection, fused sampler; run in the interpreter) on a
+    attention with the prologue inside it and apart, fused sampler; run in the interpreter) on a
     Qwen2 model with QKV biases and non-unit norm weights: the greedy tokens of HF ``generate``, the
     log-probs of a teacher-forced HF forward (greedy, and sampled at temperature 0.7), the same draw
     again from the same generator seed."""
@@ -516,8 +476,6 @@ def test_engine_with_fused_kernels_matches_hf() -> None:
     assert "TOKENS_EQUAL True True" in stdout
     errors = stdout.split("MAXERR")[1].split()[:2]  # prologue in the attention kernel, then apart
     assert max(float(e) for e in errors) < TOL
-    assert "SPLITS 2" in stdout and "SPLIT_TOKENS_EQUAL True" in stdout
-    assert float(stdout.split("SPLIT_MAXERR")[1].split()[0]) < TOL
     assert float(stdout.split("SAMPLED_MAXERR")[1].split()[0]) < TOL
     assert "REPRODUCED True True" in stdout
 

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalith.common.errors import ConfigError
-from megalith_chat.engine import fast_linear, fast_mlp, fast_ops, fast_sample
+from megalith_chat.engine import fast_mlp, fast_ops, fast_sample
 from megalith_chat.engine.fast_attention import (
     Prologue,
     choose_attention,
@@ -71,7 +71,6 @@ class StepKey(NamedTuple):
     filtered: bool  # top-k / top-p sampling
     members: int  # rows per shared prompt (1: unshared)
     in_attention: bool  # the attention kernel does the QKV prologue
-    splitk: bool  # the QKV projection by the split-K kernel (its partials summed in the prologue)
 
 
 @dataclass(frozen=True)
@@ -99,10 +98,6 @@ class FastEngineConfig:
     # Triton attention: a group's prompt is prefilled and read once. None (auto): where it pays
     # (module doc); True: at every batch (warns when unusable); False: never
     share_prompts: bool | None = None
-    # CUDA, with the prologue inside the attention and at most fast_linear.MAX_ROWS rows: the QKV
-    # projection by fast_linear's split-K kernel, its float32 partials summed by the attention's
-    # prologue (no cuBLAS split-K reduction launch)
-    splitk_qkv: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_len < 2:
@@ -155,7 +150,6 @@ class FastEngine:
         # step's graphs are keyed by it)
         self.prologue_in_attention = self.attention == "triton" and self.fused_prologue
         self.share_prompts = self.config.share_prompts is not False and self._sharing_works()
-        self.splitk_qkv = self.prologue_in_attention and self.config.splitk_qkv and self._splitk_works()
         self._graphs: dict[StepKey, torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
         self.scale = self.shape.head_dim**-0.5
@@ -172,13 +166,6 @@ class FastEngine:
         error = shared_prompts_error(self.device, self.shape.head_dim)
         if error is not None:
             log("shared-prompt decode attention unusable (%s); prompts are not shared", error)
-        return error is None
-
-    def _splitk_works(self) -> bool:
-        """Whether the split-K QKV projection runs here (warns why not: it was asked for)."""
-        error = fast_linear.usable(self.device, self.dtype)
-        if error is not None:
-            logger.warning("split-K QKV projection unusable (%s); using cuBLAS", error)
         return error is None
 
     # ---------------------------------------------------------------- storage
@@ -259,12 +246,11 @@ class FastEngine:
     def _key(self, b: int, kv_len: int, filtered: bool, members: int = 1) -> StepKey:
         """What a decode step is captured by: its arguments and the engine's switches."""
         in_attention = self.prologue_in_attention and members == 1
-        splitk = self.splitk_qkv and in_attention and b <= fast_linear.MAX_ROWS
-        return StepKey(b, kv_len, filtered, members, in_attention, splitk)
+        return StepKey(b, kv_len, filtered, members, in_attention)
 
     def _decode_body(self, key: StepKey) -> None:
         """One decode step over static buffers (the graph-captured unit; see module doc)."""
-        b, kv_len, filtered, members, in_attention, splitk = key
+        b, kv_len, filtered, members, in_attention = key
         w, s, st, ops = self.weights, self.shape, self.state, self.ops
         x, cos, sin, mask = ops.decode_prelude(
             st.tok[:b], st.slot, st.start[:b], w.embed, self._cos, self._sin, st.arange[:kv_len]
@@ -272,10 +258,7 @@ class FastEngine:
         for i in range(s.layers):
             kc, vc = self.k_cache[i, :b, :, :kv_len], self.v_cache[i, :b, :, :kv_len]
             q: torch.Tensor | Prologue
-            if splitk:  # the attention kernel sums the partials, rotates q and writes k, v itself
-                partials = fast_linear.splitk_linear(x, w.wqkv[i])
-                q = Prologue(partials, cos, sin, x, w.bqkv[i], s.eps, splits=partials.shape[0])
-            elif in_attention:  # the attention kernel rotates q and writes k, v itself
+            if in_attention:  # the attention kernel rotates q and writes k, v itself
                 q = Prologue(F.linear(x, w.wqkv[i]), cos, sin, x, w.bqkv[i], s.eps)
             elif self.fused_prologue:
                 qkv = F.linear(x, w.wqkv[i])

@@ -54,14 +54,14 @@ def make_kernels() -> tuple[Any, Any]:  # noqa: PLR0915, C901  (the kernels' bod
 
     # arguments stay unannotated: @triton.jit reads annotations (tl.constexpr) to specialise a kernel
     @triton.jit
-    def partial(q_ptr, k_ptr, v_ptr, start_ptr, slot_ptr, m_ptr, l_ptr, a_ptr,  # type: ignore[no-untyped-def]  # noqa: PLR0915, C901
+    def partial(q_ptr, k_ptr, v_ptr, start_ptr, slot_ptr, m_ptr, l_ptr, a_ptr,  # type: ignore[no-untyped-def]  # noqa: PLR0915
                 sk_b, sk_h, sk_t, kv_heads, kv_len, split_len, num_splits, scale,
                 o_ptr, pend_ptr, split_offset,
-                qkv_ptr, x_ptr, bias_ptr, cos_ptr, sin_ptr, s_qkv, s_x, s_cos, s_sin, hidden, eps, s_split,
+                qkv_ptr, x_ptr, bias_ptr, cos_ptr, sin_ptr, s_qkv, s_x, s_cos, s_sin, hidden, eps,
                 G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr,
                 BN: tl.constexpr, PREC: tl.constexpr, DIRECT: tl.constexpr, PART: tl.constexpr,
                 R: tl.constexpr, BQ: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
-                HAS_BIAS: tl.constexpr, HIDDEN: tl.constexpr, SPLITS: tl.constexpr):  # fmt: skip
+                HAS_BIAS: tl.constexpr, HIDDEN: tl.constexpr):  # fmt: skip
         # program (R rows x key/value head, split) over PART of the slots: 0 each row's own from
         # start to slot; 1 the prompt slots start .. prompt_end - 1 that a group of R rows shares,
         # read once from its first row; 2 each row's own from prompt_end on
@@ -97,22 +97,15 @@ def make_kernels() -> tuple[Any, Any]:  # noqa: PLR0915, C901  (the kernels' bod
             sn = tl.load(sin_ptr + lead * s_sin + d).to(tl.float32) * sign
             row = qkv_ptr + lead * s_qkv
             qh = h * G + j  # query head of each query row
-            qa_at = qh[:, None] * D + d[None, :]
-            qb_at = qh[:, None] * D + partner[None, :]
-            qa = tl.load(row + qa_at, mask=live[:, None], other=0.0).to(tl.float32)
-            qb = tl.load(row + qb_at, mask=live[:, None], other=0.0).to(tl.float32)
+            qa = tl.load(row + qh[:, None] * D + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+            qb = tl.load(row + qh[:, None] * D + partner[None, :], mask=live[:, None], other=0.0).to(
+                tl.float32
+            )
             kh = (heads + h) * D
             vh = (heads + kv_heads + h) * D
             ka = tl.load(row + kh + d).to(tl.float32)
             kb = tl.load(row + kh + partner).to(tl.float32)
             vn = tl.load(row + vh + d).to(tl.float32)
-            for s in tl.static_range(1, SPLITS):  # split-K partials of the projection, summed in order
-                part = row + s * s_split
-                qa += tl.load(part + qa_at, mask=live[:, None], other=0.0)
-                qb += tl.load(part + qb_at, mask=live[:, None], other=0.0)
-                ka += tl.load(part + kh + d)
-                kb += tl.load(part + kh + partner)
-                vn += tl.load(part + vh + d)
             if NORM:  # 1 / rms of the row's residual stream (its norm weight is folded into W_qkv)
                 e = tl.arange(0, HIDDEN)
                 xr = tl.load(x_ptr + lead * s_x + e, mask=e < hidden, other=0.0).to(tl.float32)
@@ -218,10 +211,7 @@ def _kernels() -> tuple[Any, Any]:
 class Prologue:
     """The decode step's QKV projection for :func:`decode_attention` to finish itself (the work of
     :func:`.fast_prologue.rope_store`): ``qkv [b, (H + 2 KV) D]``, ``cos, sin [b, D]`` (rows
-    unit-stride); with ``x [b, hidden]`` scaled by ``1 / rms(x)``, then ``bias`` added.
-
-    ``splits > 0``: ``qkv`` is instead the float32 split-K partials ``[splits, b, (H + 2 KV) D]`` of
-    :func:`.fast_linear.splitk_linear`, summed as the kernel loads them."""
+    unit-stride); with ``x [b, hidden]`` scaled by ``1 / rms(x)``, then ``bias`` added."""
 
     qkv: torch.Tensor
     cos: torch.Tensor
@@ -229,12 +219,6 @@ class Prologue:
     x: torch.Tensor | None = None
     bias: torch.Tensor | None = None
     eps: float = 0.0
-    splits: int = 0
-
-    @property
-    def projection(self) -> torch.Tensor:
-        """``[b, (H + 2 KV) D]``: the projection, or the first of its split-K partials."""
-        return self.qkv[0] if self.splits else self.qkv
 
 
 def decode_attention(
@@ -282,10 +266,9 @@ def decode_attention(
     if pro is not None:
         if shared:
             raise ValueError("decode_attention: a Prologue cannot be finished by the shared-prompt path")
-        proj = pro.projection
-        b, dim, kv_heads = proj.shape[0], k.shape[3], k.shape[1]
-        group = proj.shape[1] // dim // kv_heads - 2
-        q = k.new_empty(b, kv_heads, group, dim)  # no query buffer is read: a placeholder
+        b, dim, kv_heads = pro.qkv.shape[0], k.shape[3], k.shape[1]
+        group = pro.qkv.shape[1] // dim // kv_heads - 2
+        q = pro.qkv.new_empty(b, kv_heads, group, dim)  # no query buffer is read: a placeholder
     assert isinstance(q, torch.Tensor)
     b, kv_heads, group, dim = q.shape
     if shared and (prompt_end is None or b % members):
@@ -312,8 +295,8 @@ def decode_attention(
     end = prompt_end if prompt_end is not None else slot
     common = dict(G=group, BG=bg, D=dim, BN=block_n, PREC="ieee" if q.dtype == torch.float32 else "tf32",
                   **(LAUNCH if launch is None else launch))  # fmt: skip
-    none = dict(ROPE=False, NORM=False, HAS_BIAS=False, HIDDEN=1, SPLITS=0)
-    plain = (q, q, q, q, q, 0, 0, 0, 0, 1, 0.0, 0)  # the Prologue arguments, unused
+    none = dict(ROPE=False, NORM=False, HAS_BIAS=False, HIDDEN=1)
+    plain = (q, q, q, q, q, 0, 0, 0, 0, 1, 0.0)  # the Prologue arguments, unused
     if shared:  # the groups' prompt slots, into split entries 0 .. first_splits - 1
         partial[(b // members * kv_heads, first_splits)](
             q, k, v, start, slot, m, lsum, acc, sk[0], sk[1], sk[2], kv_heads, kv_len, first_len, total, scale,
@@ -326,14 +309,10 @@ def decode_attention(
         x, bias = pro.x, pro.bias
         hidden = 1 if x is None else x.shape[1]
         rope = (pro.qkv, q if x is None else x, q if bias is None else bias, pro.cos, pro.sin,
-                proj.stride(0), 0 if x is None else x.stride(0), pro.cos.stride(0), pro.sin.stride(0), hidden,
-                pro.eps, pro.qkv.stride(0) if pro.splits else 0)  # fmt: skip
+                pro.qkv.stride(0), 0 if x is None else x.stride(0), pro.cos.stride(0), pro.sin.stride(0), hidden,
+                pro.eps)  # fmt: skip
         flags = dict(
-            ROPE=True,
-            NORM=x is not None,
-            HAS_BIAS=bias is not None,
-            HIDDEN=triton.next_power_of_2(hidden),
-            SPLITS=pro.splits,
+            ROPE=True, NORM=x is not None, HAS_BIAS=bias is not None, HIDDEN=triton.next_power_of_2(hidden)
         )
     partial[(b * kv_heads, splits)](
         q, k, v, start, slot, m, lsum, acc, sk[0], sk[1], sk[2], kv_heads, kv_len, split_len, total, scale,
