@@ -414,15 +414,15 @@ print("NEXT", float((st.out_tok[8:small, 1] != tok[8:small]).float().mean()))
 
 def test_fused_sampler_in_interpreter() -> None:
     """The Philox + Gumbel-max sampler (two vocabulary chunks) against the distribution it must
-    draw from (temperature 0.5, 296 draws: total variation < 0.15; the expected sampling error is
-    0.055 and the largest of 400 torch.multinomial draws of that size 0.12, while temperature 1
+    draw from (temperature 0.5, 296 draws: total variation < 0.12; the expected sampling error is
+    0.055 and the largest of 400 torch.multinomial draws of that size 0.119, while temperature 1
     instead of 0.5 is 0.37 away), exact log-probs, greedy and finished rows, the
     end-of-sequence bookkeeping, the same draw for the same key and another for the next column."""
     stdout = in_interpreter(CHECK_SAMPLER, timeout=240)
     assert "GREEDY True" in stdout and "FINISHED True" in stdout and "TOK True" in stdout
     assert "EOS True True" in stdout and "SAME True" in stdout
     assert float(stdout.split("LPERR")[1].split()[0]) < 1e-5
-    assert float(stdout.split("TV")[1].split()[0]) < 0.15
+    assert float(stdout.split("TV")[1].split()[0]) < 0.12
     assert float(stdout.split("NEXT")[1].split()[0]) > 0.5
 
 
