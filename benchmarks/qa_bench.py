@@ -17,7 +17,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ import numpy as np
 os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from megalith.common.utils import free_loopback_port
 from megalith_qa.config import ChunkingConfig, QAConfig
 from megalith_qa.documents import Chunk, content_hash, doc_id_for
 from megalith_qa.embedding import HashingEmbedder, MiniLMEmbedder
@@ -58,10 +58,7 @@ def pct(values: list[float]) -> dict[str, float]:
     }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+free_port = free_loopback_port
 
 
 def bench_ingest(tmp: Path, docs: int) -> dict[str, float]:

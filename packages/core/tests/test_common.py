@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def _modules_after(code: str) -> list[str]:
     """The heavy top-level packages (torch, numpy) a fresh interpreter has imported after `code`."""
@@ -26,3 +28,31 @@ def test_device_helpers_resolve_lazily() -> None:
 
     assert common.get_device is get_device and common.Device is Device
     assert common.get_device("cpu").type == "cpu"
+
+
+def test_free_loopback_port_stays_below_the_ephemeral_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from megalith.common import utils
+
+    low, _ = utils._ephemeral_range()
+    for _ in range(20):
+        port = utils.free_loopback_port()
+        assert 20000 <= port < min(low, 32768)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # really free
+
+    # a port someone holds is never returned: with it the only candidate, the kernel picks
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        taken = held.getsockname()[1]
+        monkeypatch.setattr(utils, "_PICK_LOW", taken)
+        monkeypatch.setattr(utils, "_PICK_HIGH", taken)
+        monkeypatch.setattr(utils, "_ephemeral_range", lambda: (65535, 65535))
+        assert utils.free_loopback_port() != taken
+
+    # no quiet range left (it overlaps the ephemeral one): the kernel's choice
+    monkeypatch.setattr(utils, "_PICK_LOW", 20000)
+    monkeypatch.setattr(utils, "_PICK_HIGH", 32767)
+    monkeypatch.setattr(utils, "_ephemeral_range", lambda: (1024, 65535))
+    assert 1024 <= utils.free_loopback_port() <= 65535

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -18,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from megalith.common.utils import require
+from megalith.common.utils import free_loopback_port, require
 from megalith_qa.config import ChunkingConfig
 from megalith_qa.embedding import HashingEmbedder
 from megalith_qa.index import ChunkStore, make_client
@@ -37,10 +36,7 @@ def _offline(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathF
     monkeypatch.setenv("MEGALITH_DATA_DIR", str(tmp_path_factory.mktemp("megalith_data")))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+free_port = free_loopback_port
 
 
 def _chroma_executable() -> str:

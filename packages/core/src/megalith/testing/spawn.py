@@ -12,7 +12,6 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -20,12 +19,9 @@ from datetime import timedelta
 from typing import Any
 
 from megalith.common.errors import DistributedError
+from megalith.common.utils import free_loopback_port
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+free_port = free_loopback_port  # the name tests import
 
 
 def _worker(fn, rank, world_size, port, env, pg_timeout_s, result_q, args, kwargs):  # noqa: PLR0913
