@@ -1,0 +1,215 @@
+"""Decode-size matmuls as one Triton kernel that splits K and reduces the split inside itself.
+
+At decode sizes (``M`` = the batch, 64-256 rows) cuBLAS runs the 0.37B shape's projections at
+0.7-1.6 TB/s on an H100 (``benchmarks/results/gpu_decode_gemm_h100.json``: ``down``, 5.8 MB of
+weight, 7.9 µs): there are too few output tiles to keep every SM streaming weights, and where
+cuBLAS splits K it adds a reduction kernel. Here the grid is ``(output tiles, SPLIT)``: each
+program multiplies its range of K, writes its fp32 partial and increments its tile's counter; the
+program that arrives last (the counter says so) sums the partials, applies the epilogue and resets
+the counter to 0 for the next call, all in the same launch. Counters and partials live in
+buffers kept per shape, so the call can be captured in a CUDA graph (the calls of one stream run
+one after another, so they share them).
+
+Epilogues (``a [M, K]``, ``w [N, K]`` row-major, as the engine stores its weights):
+
+* ``"store"``: ``a wᵀ`` into a new ``[M, N]`` tensor;
+* ``"residual"``: ``out += a wᵀ`` in place (the residual add: the sum is rounded once);
+* ``"swiglu"``: ``w = [W_gate; W_up]`` (``2I`` rows) projecting the un-normalised residual stream
+  ``a = x`` with the norm weight folded in (:mod:`.fast_weights`): ``silu(g r) * (u r)`` with ``r =
+  1 / rms(x)``, whose sum of squares is accumulated from the same loads of ``x``, ``[M, I]`` out.
+  This is the gate/up matmul and :func:`.fast_mlp.norm_silu_mul` in one launch.
+
+The engine does not use it yet: ``benchmarks/gpu_decode_gemm.py`` times it against cuBLAS
+(variants ``triton``, ``triton_residual``, ``triton_swiglu``). The tests check it against torch in
+the Triton interpreter (``TRITON_INTERPRET=1``) and compile it for sm_90.
+"""
+
+# ruff: noqa: PLR0913  (Triton kernels take their pointers, strides and sizes as arguments)
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import torch
+
+from megalith.common.errors import ConfigError
+
+EPILOGUES = {"store": 0, "residual": 1, "swiglu": 2}
+DEFAULT_SMS = 132  # H100 / H200 SXM; used where the device cannot be asked (the interpreter)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile sizes and launch options; ``split=None`` picks enough K splits to give every SM a program."""
+
+    block_n: int = 64
+    block_k: int = 128
+    split: int | None = None
+    warps: int = 4
+    stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ConfigError(f"{name} must be a power of two >= 16, got {value}")
+        if self.split is not None and self.split < 1:
+            raise ConfigError(f"split must be >= 1, got {self.split}")
+
+
+def make_kernel() -> Any:
+    """A fresh Triton kernel (reads ``TRITON_INTERPRET`` now)."""
+    import triton
+    import triton.language as tl
+
+    # arguments stay unannotated: @triton.jit reads annotations (tl.constexpr) to specialise a kernel
+    @triton.jit
+    def skinny_gemm(a_ptr, w_ptr, out_ptr, part_ptr, ssq_ptr, count_ptr,  # type: ignore[no-untyped-def]
+                    M, N, K, s_am, s_wn, s_om, k_per_split, eps,
+                    EPILOGUE: tl.constexpr, SPLIT: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+        tile = tl.program_id(0)
+        split = tl.program_id(1)
+        n_tiles = tl.cdiv(N, BN)
+        rm = (tile // n_tiles) * BM + tl.arange(0, BM)
+        rn = (tile % n_tiles) * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        m_ok, n_ok = rm < M, rn < N
+        acc = tl.zeros((BM, BN), tl.float32)
+        acc_up = tl.zeros((BM, BN), tl.float32)  # swiglu: the up half (w rows N + n)
+        ssq = tl.zeros((BM,), tl.float32)  # swiglu: sum of squares of the rows of a
+        k_begin = split * k_per_split
+        for k0 in range(k_begin, tl.minimum(k_begin + k_per_split, K), BK):
+            k = k0 + rk
+            k_ok = k < K
+            a = tl.load(
+                a_ptr + rm[:, None] * s_am + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
+            )
+            w_mask = n_ok[None, :] & k_ok[:, None]
+            w = tl.load(w_ptr + rn[None, :].to(tl.int64) * s_wn + k[:, None], mask=w_mask, other=0.0)
+            acc = tl.dot(a, w, acc)
+            if EPILOGUE == 2:
+                up = tl.load(
+                    w_ptr + (rn[None, :] + N).to(tl.int64) * s_wn + k[:, None], mask=w_mask, other=0.0
+                )
+                acc_up = tl.dot(a, up, acc_up)
+                af = a.to(tl.float32)
+                ssq += tl.sum(af * af, axis=1)
+        last = True
+        if SPLIT > 1:
+            cell = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+            parts = 2 if EPILOGUE == 2 else 1
+            mine = (split * tl.num_programs(0) + tile).to(tl.int64)
+            tl.store(part_ptr + mine * parts * BM * BN + cell, acc)
+            if EPILOGUE == 2:
+                tl.store(part_ptr + (mine * 2 + 1) * BM * BN + cell, acc_up)
+                tl.store(ssq_ptr + mine * BM + tl.arange(0, BM), ssq)
+            tl.debug_barrier()  # every thread's partial is written before the counter moves
+            last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+            if last:
+                acc = tl.zeros((BM, BN), tl.float32)
+                acc_up = tl.zeros((BM, BN), tl.float32)
+                ssq = tl.zeros((BM,), tl.float32)
+                for s in tl.static_range(SPLIT):
+                    theirs = (s * tl.num_programs(0) + tile).to(tl.int64)
+                    acc += tl.load(part_ptr + theirs * parts * BM * BN + cell, cache_modifier=".cg")
+                    if EPILOGUE == 2:
+                        acc_up += tl.load(part_ptr + (theirs * 2 + 1) * BM * BN + cell, cache_modifier=".cg")
+                        ssq += tl.load(ssq_ptr + theirs * BM + tl.arange(0, BM), cache_modifier=".cg")
+                tl.store(
+                    count_ptr + tile, 0
+                )  # every program of this tile has counted: ready for the next call
+        if last:
+            out_at = out_ptr + rm[:, None].to(tl.int64) * s_om + rn[None, :]
+            o_mask = m_ok[:, None] & n_ok[None, :]
+            if EPILOGUE == 1:
+                acc += tl.load(out_at, mask=o_mask, other=0.0).to(tl.float32)
+            if EPILOGUE == 2:
+                scale = 1.0 / tl.sqrt(ssq / K + eps)
+                gate = acc * scale[:, None]
+                acc = gate / (1.0 + tl.exp(-gate)) * (acc_up * scale[:, None])
+            tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+    return skinny_gemm
+
+
+@cache
+def _kernel() -> Any:
+    return make_kernel()
+
+
+_BUFFERS: dict[tuple[Any, ...], torch.Tensor] = {}
+
+
+def _buffer(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """A zeroed buffer kept for the process: a graph captured with it keeps a valid pointer."""
+    key = (device, dtype, numel)
+    if key not in _BUFFERS:
+        _BUFFERS[key] = torch.zeros(max(numel, 1), device=device, dtype=dtype)
+    return _BUFFERS[key]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a call is cut: ``tiles`` output tiles of ``block_m x block_n``, K in ``split`` ranges."""
+
+    block_m: int
+    tiles: int
+    split: int
+    k_per_split: int
+
+
+def plan(m: int, n: int, k: int, config: GemmConfig, sms: int = DEFAULT_SMS) -> Plan:
+    block_m = min(64, max(16, 1 << (m - 1).bit_length()))
+    tiles = -(-m // block_m) * -(-n // config.block_n)
+    k_blocks = -(-k // config.block_k)
+    split = config.split or max(1, round(sms / tiles))
+    split = min(split, k_blocks)
+    k_per_split = -(-k_blocks // split) * config.block_k
+    return Plan(block_m, tiles, -(-k // k_per_split), k_per_split)
+
+
+def gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    epilogue: str = "store",
+    out: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    config: GemmConfig | None = None,
+    kernel: Any = None,
+) -> torch.Tensor:
+    """``a [M, K]`` times ``w [N, K]ᵀ`` with ``epilogue`` (module doc); ``out`` is required for
+    ``"residual"`` (updated in place and returned) and not accepted otherwise."""
+    if epilogue not in EPILOGUES:
+        raise ConfigError(f"epilogue must be one of {sorted(EPILOGUES)}, got {epilogue!r}")
+    if a.dim() != 2 or w.dim() != 2 or a.shape[1] != w.shape[1]:
+        raise ConfigError(f"need a [M, K] and w [N, K], got {tuple(a.shape)} and {tuple(w.shape)}")
+    if a.stride(1) != 1 or w.stride(1) != 1:
+        raise ConfigError("a and w need unit-stride rows")
+    config = config or GemmConfig()
+    m, k = a.shape
+    n = w.shape[0] // 2 if epilogue == "swiglu" else w.shape[0]
+    if epilogue == "swiglu" and w.shape[0] % 2:
+        raise ConfigError(f"swiglu needs [W_gate; W_up] with an even row count, got {w.shape[0]}")
+    if epilogue == "residual":
+        if out is None or tuple(out.shape) != (m, n) or out.stride(1) != 1:
+            raise ConfigError(f"residual needs out [{m}, {n}] with unit-stride rows")
+    elif out is not None:
+        raise ConfigError(f"out is only taken by the residual epilogue, not {epilogue!r}")
+    else:
+        out = a.new_empty(m, n)
+    sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else DEFAULT_SMS
+    p = plan(m, n, k, config, sms)
+    parts = 2 if epilogue == "swiglu" else 1
+    partials = _buffer(
+        a.device, torch.float32, p.split * p.tiles * parts * p.block_m * config.block_n if p.split > 1 else 0
+    )
+    ssq = _buffer(a.device, torch.float32, p.split * p.tiles * p.block_m if p.split > 1 and parts == 2 else 0)
+    counters = _buffer(a.device, torch.int32, p.tiles)
+    (kernel or _kernel())[(p.tiles, p.split)](
+        a, w, out, partials, ssq, counters, m, n, k, a.stride(0), w.stride(0), out.stride(0),
+        p.k_per_split, eps, EPILOGUE=EPILOGUES[epilogue], SPLIT=p.split, BM=p.block_m,
+        BN=config.block_n, BK=config.block_k, num_warps=config.warps, num_stages=config.stages,
+    )  # fmt: skip
+    return out
