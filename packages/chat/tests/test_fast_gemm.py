@@ -118,6 +118,10 @@ def test_bad_input_is_refused() -> None:
         gemm(a, w, "gelu")
     with pytest.raises(ConfigError, match=r"\(4, 8\) and \(6, 7\)"):
         gemm(a, torch.zeros(6, 7))
+    with pytest.raises(ConfigError, match="one dtype, got torch.float32 and torch.bfloat16"):
+        gemm(a, w.bfloat16())
+    with pytest.raises(ConfigError, match="unit-stride rows"):
+        gemm(torch.zeros(8, 4).t(), w)
     with pytest.raises(ConfigError, match=r"residual needs out \[4, 6\]"):
         gemm(a, w, "residual")
     with pytest.raises(ConfigError, match="only taken by the residual"):

@@ -185,6 +185,8 @@ def gemm(
         raise ConfigError(f"epilogue must be one of {sorted(EPILOGUES)}, got {epilogue!r}")
     if a.dim() != 2 or w.dim() != 2 or a.shape[1] != w.shape[1]:
         raise ConfigError(f"need a [M, K] and w [N, K], got {tuple(a.shape)} and {tuple(w.shape)}")
+    if a.dtype != w.dtype:
+        raise ConfigError(f"a and w need one dtype, got {a.dtype} and {w.dtype}")
     if a.stride(1) != 1 or w.stride(1) != 1:
         raise ConfigError("a and w need unit-stride rows")
     config = config or GemmConfig()
