@@ -58,9 +58,6 @@ def pct(values: list[float]) -> dict[str, float]:
     }
 
 
-free_port = free_loopback_port
-
-
 def bench_ingest(tmp: Path, docs: int) -> dict[str, float]:
     """Chunks per second through split + MiniLM embedding + embedded Chroma add."""
     kb = KnowledgeBase(
@@ -107,7 +104,7 @@ def time_queries(search, queries: np.ndarray) -> dict[str, float]:  # type: igno
 
 
 def start_chroma_server(path: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
+    port = free_loopback_port()
     exe = (
         str(Path(sys.executable).parent / "chroma")
         if (Path(sys.executable).parent / "chroma").exists()
@@ -190,7 +187,7 @@ def bench_http(tmp: Path, concurrency: int = 50) -> dict[str, object]:
     from megalith_qa.server import create_app
 
     pipe = small_pipeline(tmp / "http", ExtractiveGenerator())
-    port = free_port()
+    port = free_loopback_port()
     server = uvicorn.Server(
         uvicorn.Config(create_app(pipe), host="127.0.0.1", port=port, log_level="warning")
     )

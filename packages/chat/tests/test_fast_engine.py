@@ -6,15 +6,12 @@ Log-prob tolerance: 1e-5 absolute against a teacher-forced HF forward of the sam
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from megalith.common.errors import ConfigError
+from megalith.testing import run_python
 from megalith_chat.engine.fast import FastEngine, FastEngineConfig
 from megalith_chat.engine.fast_rollout import FastGenerator, StopStrings
 from megalith_chat.engine.sampling import SamplingParams, nucleus_mask
@@ -240,12 +237,7 @@ def in_interpreter(script: str, timeout: float = 120) -> str:
     """stdout of ``script`` run by a fresh Python with the Triton interpreter on (the interpreter
     must be chosen before Triton is first imported); fails the test if the script fails."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=timeout
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout
+    return run_python(script, {"TRITON_INTERPRET": "1"}, timeout)
 
 
 CHECK_KERNEL = """
@@ -619,12 +611,7 @@ def test_decode_attention_compiles_for_hopper() -> None:
     """Compiled for an H100/H200 (sm_90, no GPU needed): the decode attention's cache loads (k and
     v) are pipelined as asynchronous copies."""
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-c", HOPPER_PTX], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
     import json
 
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = json.loads(run_python(HOPPER_PTX, {"TRITON_INTERPRET": None}).strip().splitlines()[-1])
     assert got["loads"] >= 2  # k and v pipelined

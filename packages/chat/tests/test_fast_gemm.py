@@ -4,27 +4,20 @@ sm_90, its K plan, and its bad-input errors."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from megalith.common.errors import ConfigError
+from megalith.testing import run_python
 from megalith_chat.engine.fast_gemm import GemmConfig, gemm, plan
 
 
 def _python(script: str, interpret: bool) -> str:
+    """The last stdout line of ``script`` in a fresh interpreter, the Triton interpreter on or off."""
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout.strip().splitlines()[-1]
+    out = run_python(script, {"TRITON_INTERPRET": "1" if interpret else None}, timeout=600)
+    return out.strip().splitlines()[-1]
 
 
 CHECK = """

@@ -35,7 +35,7 @@ def test_free_loopback_port_stays_below_the_ephemeral_range(monkeypatch: pytest.
 
     from megalith.common import utils
 
-    low, _ = utils._ephemeral_range()
+    low = utils._ephemeral_low()
     for _ in range(20):
         port = utils.free_loopback_port()
         assert 20000 <= port < min(low, 32768)
@@ -48,11 +48,11 @@ def test_free_loopback_port_stays_below_the_ephemeral_range(monkeypatch: pytest.
         taken = held.getsockname()[1]
         monkeypatch.setattr(utils, "_PICK_LOW", taken)
         monkeypatch.setattr(utils, "_PICK_HIGH", taken)
-        monkeypatch.setattr(utils, "_ephemeral_range", lambda: (65535, 65535))
+        monkeypatch.setattr(utils, "_ephemeral_low", lambda: 65535)
         assert utils.free_loopback_port() != taken
 
     # no quiet range left (it overlaps the ephemeral one): the kernel's choice
     monkeypatch.setattr(utils, "_PICK_LOW", 20000)
     monkeypatch.setattr(utils, "_PICK_HIGH", 32767)
-    monkeypatch.setattr(utils, "_ephemeral_range", lambda: (1024, 65535))
+    monkeypatch.setattr(utils, "_ephemeral_low", lambda: 1024)
     assert 1024 <= utils.free_loopback_port() <= 65535

@@ -36,9 +36,6 @@ def _offline(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathF
     monkeypatch.setenv("MEGALITH_DATA_DIR", str(tmp_path_factory.mktemp("megalith_data")))
 
 
-free_port = free_loopback_port
-
-
 def _chroma_executable() -> str:
     local = Path(sys.executable).parent / "chroma"
     found = str(local) if local.exists() else shutil.which("chroma")
@@ -50,7 +47,7 @@ def _chroma_executable() -> str:
 @pytest.fixture(scope="session")
 def chroma_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`chroma run` on 127.0.0.1 with a temporary path; stopped at the end of the session."""
-    port = free_port()
+    port = free_loopback_port()
     path = tmp_path_factory.mktemp("chroma_server")
     log = (path / "server.log").open("wb")
     cmd = [
@@ -183,7 +180,7 @@ def kb_factory() -> Callable[[object, str], KnowledgeBase]:
 
 @pytest.fixture
 def free_port_factory() -> Callable[[], int]:
-    return free_port
+    return free_loopback_port
 
 
 @pytest.fixture
@@ -195,7 +192,7 @@ def serve_app() -> Iterator[Callable[[object], str]]:
     servers: list[tuple[Any, threading.Thread]] = []
 
     def start(app: object) -> str:
-        port = free_port()
+        port = free_loopback_port()
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))  # type: ignore[arg-type]
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()

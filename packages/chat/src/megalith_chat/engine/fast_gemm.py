@@ -117,9 +117,8 @@ def make_kernel() -> Any:
                     if EPILOGUE == 2:
                         acc_up += tl.load(part_ptr + (theirs * 2 + 1) * BM * BN + cell, cache_modifier=".cg")
                         ssq += tl.load(ssq_ptr + theirs * BM + tl.arange(0, BM), cache_modifier=".cg")
-                tl.store(
-                    count_ptr + tile, 0
-                )  # every program of this tile has counted: ready for the next call
+                # every program of this tile has counted: ready for the next call
+                tl.store(count_ptr + tile, 0)
         if last:
             out_at = out_ptr + rm[:, None].to(tl.int64) * s_om + rn[None, :]
             o_mask = m_ok[:, None] & n_ok[None, :]

@@ -24,12 +24,12 @@ def require(module: str, extra: str | None = None) -> ModuleType:
 _PICK_LOW, _PICK_HIGH = 20000, 32767
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range."""
     try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_loopback_port() -> int:
@@ -42,8 +42,7 @@ def free_loopback_port() -> int:
     import random
     import socket
 
-    low, _ = _ephemeral_range()
-    candidates = range(_PICK_LOW, min(_PICK_HIGH, low - 1) + 1)  # empty if the ranges overlap
+    candidates = range(_PICK_LOW, min(_PICK_HIGH, _ephemeral_low() - 1) + 1)  # empty if the ranges overlap
     for port in random.SystemRandom().sample(candidates, k=min(64, len(candidates))):  # fork-safe
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
