@@ -49,17 +49,13 @@ TRITON_CONFIGS = "64x128w4s3,32x128w4s3,64x64w4s4,128x64w4s3,32x256w4s3"
 
 def parse_config(text: str) -> Any:
     """``<block_n>x<block_k>w<warps>s<stages>`` (split: automatic) -> ``GemmConfig``."""
-    import re
-
+    from megalith.common.errors import ConfigError
     from megalith_chat.engine.fast_gemm import GemmConfig
 
-    found = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", text)
-    if not found:
-        raise SystemExit(
-            f"--triton-configs: {text!r} is not <block_n>x<block_k>w<warps>s<stages>, e.g. 64x128w4s3"
-        )
-    bn, bk, warps, stages = map(int, found.groups())
-    return GemmConfig(block_n=bn, block_k=bk, warps=warps, stages=stages)
+    try:
+        return GemmConfig.parse(text)
+    except ConfigError as exc:
+        raise SystemExit(f"--triton-configs: {exc}") from exc
 
 
 def time_graph(fn: Any, reps: int = 50) -> float:

@@ -12,7 +12,10 @@ process. ``fast_grouped`` is the same engine with ``share_prompts=True`` on ``B 
 8 samples each (GRPO's groups) given as ``generate(..., group=8)``: each prompt is prefilled once and
 its cache slots are read once per group; it also records ``unshared_tokens_per_s``, the same
 prompts without ``group``, in the same process, and at the first batch the log-prob error of both
-against a teacher-forced HF forward. ``fast_sdpa`` swaps in SDPA for the decode attention;
+against a teacher-forced HF forward. On CUDA ``fast`` is also timed with its projections by the split-K Triton matmul of
+``fast_gemm`` (``triton_gemm_tokens_per_s``, tiles from ``--gemm-configs``), then with cuBLAS and
+Triton again, in the same process, with the same correctness check (``triton_gemm_check``).
+``fast_sdpa`` swaps in SDPA for the decode attention;
 ``fast_nocompile`` / ``fast_eager`` drop the compiled ops / the graphs too.
 
 Memory-bound floor (new tokens/s): a decode step must read every weight that takes part in it
@@ -29,6 +32,7 @@ with the fast engine vs HF generate, in one process each.
     python benchmarks/gpu_generate.py                      # on a GPU machine
     python benchmarks/gpu_generate.py --device cpu --tiny  # smoke test
     python benchmarks/gpu_generate.py --systems fast --batches 64 --profile  # + decode-step profile
+    python benchmarks/gpu_generate.py --systems fast --gemm-configs best:results/gpu_decode_gemm_h100.json
 """
 
 from __future__ import annotations
@@ -201,6 +205,23 @@ def run_fast(args: argparse.Namespace, model: Any, batch: int, mode: str) -> dic
             engine.generate(ids, mask, params)
             seconds = timed(lambda: engine.generate(ids, mask, params), args.device, 3)
             out[f"{name}_tokens_per_s"] = batch * args.new_tokens / seconds
+    if mode == "fast" and args.device == "cuda" and args.gemm_configs:  # A/B: split-K Triton projections
+        engine.gemm = gemm_configs(args.gemm_configs, batch)
+        out["triton_gemm_configs"] = {k: str(v) for k, v in engine.gemm._asdict().items()}
+        for name, tiles in (
+            ("triton_gemm", engine.gemm),
+            ("cublas_again", None),
+            ("triton_gemm_again", engine.gemm),
+        ):
+            engine.gemm = tiles  # graphs are keyed by it: the first call captures
+            engine.generate(ids, mask, params)
+            seconds = timed(lambda: engine.generate(ids, mask, params), args.device, 3)
+            out[f"{name}_tokens_per_s"] = batch * args.new_tokens / seconds
+        if batch == args.batches[0]:
+            out["triton_gemm_check"] = correctness(args, model, engine)
+            if args.profile:
+                out["triton_gemm_profile"] = decode_profile(args, engine, batch)
+        engine.gemm = None
     if batch == args.batches[0] and mode == "fast":
         out["check"] = correctness(args, model, engine)
         if args.profile:
@@ -209,6 +230,34 @@ def run_fast(args: argparse.Namespace, model: Any, batch: int, mode: str) -> dic
         out["profile"] = decode_profile(args, engine, batch, group)
         out["unshared_profile"] = decode_profile(args, engine, batch)
     return out
+
+
+PROJECTION_VARIANT = {
+    "qkv": "triton",
+    "o": "triton_residual",
+    "gate_up": "triton_swiglu",
+    "down": "triton_residual",
+}
+
+
+def gemm_configs(text: str, batch: int) -> Any:
+    """``--gemm-configs``: one tile configuration for every projection, ``qkv=..,o=..,gate_up=..,down=..``,
+    or ``best:<gpu_decode_gemm result>``: per projection, the fastest of the Triton variant the engine
+    runs (``PROJECTION_VARIANT``) at the measured row count nearest ``batch``."""
+    from megalith_chat.engine.fast_gemm import GemmConfig, ProjectionConfigs
+
+    if text.startswith("best:"):
+        rows = json.loads(Path(text[5:]).read_text())["rows"]
+        timed_rows = min(rows, key=lambda r: abs(int(r) - batch))
+        best = {}
+        for proj, variant in PROJECTION_VARIANT.items():
+            times = {k: v for k, v in rows[timed_rows][proj].items() if k.startswith(variant + "[")}
+            best[proj] = GemmConfig.parse(min(times, key=times.__getitem__)[len(variant) + 1 : -1])
+        return ProjectionConfigs(**best)
+    if "=" not in text:
+        return ProjectionConfigs(*[GemmConfig.parse(text)] * 4)
+    pairs = dict(part.split("=", 1) for part in text.split(","))
+    return ProjectionConfigs(**{k: GemmConfig.parse(v) for k, v in pairs.items()})
 
 
 def prefill_seconds(
@@ -465,6 +514,14 @@ def main() -> None:
         default=None,
         help="result JSON (default: benchmarks/results/gpu_generate_<card: h200, h100, ...|cpu_tiny>.json)",
     )
+    p.add_argument(
+        "--gemm-configs",
+        default="64x128w4s3",
+        help="'fast' on CUDA is also timed with its projections by the split-K Triton matmul (fast_gemm), "
+        "in the same process: tiles <block_n>x<block_k>w<warps>s<stages> for all projections, "
+        "qkv=..,o=..,gate_up=..,down=.. per projection, best:<gpu_decode_gemm.py result> for the fastest "
+        "measured, or '' to skip (default: 64x128w4s3)",
+    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     args.batches = [int(b) for b in (args.batches or ("2,4" if args.tiny else "64,256")).split(",")]
@@ -509,6 +566,8 @@ def run_all(args: argparse.Namespace) -> None:
         "--grpo-new-tokens",
         str(args.grpo_new_tokens),
         *(["--profile"] if args.profile else []),
+        "--gemm-configs",
+        args.gemm_configs,
     ]
     for name in args.systems.split(","):
         cmd = [sys.executable, __file__, "--worker", name, *forwarded, *(["--tiny"] if args.tiny else [])]
@@ -536,6 +595,10 @@ def summarise(payload: dict[str, Any]) -> None:
         for row in rows:
             if "tokens_per_s" in row:
                 summary.setdefault(str(row["batch"]), {})[name] = round(row["tokens_per_s"], 1)
+                if "triton_gemm_tokens_per_s" in row:
+                    summary[str(row["batch"])][f"{name}_triton_gemm"] = round(
+                        row["triton_gemm_tokens_per_s"], 1
+                    )
             else:
                 summary[name] = {k: round(v, 3) for k, v in row.items() if isinstance(v, float)}
     for b, row in summary.items():

@@ -472,6 +472,59 @@ def test_engine_with_fused_kernels_matches_hf() -> None:
     assert "REPRODUCED True True" in stdout
 
 
+CHECK_GEMM_ENGINE = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from megalith_chat.engine.fast import FastEngine, FastEngineConfig
+from megalith_chat.engine.fast_gemm import GemmConfig, ProjectionConfigs
+from megalith_chat.engine.sampling import SamplingParams
+from megalith_chat.rollout.generation import response_logprobs
+cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=64, max_position_embeddings=128, pad_token_id=0,
+                  bos_token_id=None, eos_token_id=None, attention_bias=True)  # q, k, v and o biases
+cfg._attn_implementation = "sdpa"
+torch.manual_seed(0)
+model = LlamaForCausalLM(cfg).eval()
+with torch.no_grad():
+    for layer in model.model.layers:
+        layer.input_layernorm.weight.uniform_(0.5, 1.5)
+        layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
+        for proj in (layer.self_attn.q_proj, layer.self_attn.o_proj):
+            proj.bias.uniform_(-0.5, 0.5)
+engine = FastEngine(model, FastEngineConfig(max_batch=4, max_len=24, attention="triton"), device="cpu")
+engine.fused_prologue = True  # the CUDA kernels, here in the interpreter
+engine.gemm = ProjectionConfigs(o=GemmConfig(block_n=16, block_k=16), down=GemmConfig(block_k=16, split=2))
+ids = torch.randint(1, 64, (3, 5), generator=torch.Generator().manual_seed(1))
+mask = torch.ones_like(ids)
+mask[0, :2] = 0
+ids = ids.masked_fill(mask == 0, 0)
+hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+for inside in (True, False):  # the QKV prologue in the attention kernel, then apart
+    engine.prologue_in_attention = inside
+    out = engine.generate(ids, mask, SamplingParams(8, greedy=True))
+    with torch.no_grad():
+        ref = response_logprobs(model, ids, mask, out.tokens, torch.ones_like(out.tokens))
+    print("RESULT", torch.equal(out.tokens, hf[:, ids.shape[1]:]), float((out.logprobs - ref).abs().max()))
+engine.gemm = None  # cuBLAS: the same tokens
+print("CUBLAS", torch.equal(engine.generate(ids, mask, SamplingParams(8, greedy=True)).tokens, out.tokens))
+"""
+
+
+def test_engine_with_triton_gemm_matches_hf() -> None:
+    """The decode step with its projections by the split-K Triton matmul (``fast_gemm``: QKV, o with
+    the residual add and bias, gate/up with 1 / rms and SwiGLU, down with the residual add; run in
+    the interpreter) on a Llama with q/k/v/o biases and non-unit norm weights: the greedy tokens of
+    HF ``generate`` and the log-probs of a teacher-forced HF forward, with the QKV prologue inside
+    the attention kernel and apart."""
+    stdout = in_interpreter(CHECK_GEMM_ENGINE, timeout=240)
+    results = [line.split()[1:] for line in stdout.splitlines() if line.startswith("RESULT")]
+    assert len(results) == 2, stdout
+    for equal, error in results:
+        assert equal == "True"
+        assert float(error) < TOL
+    assert "CUBLAS True" in stdout
+
+
 CHECK_SHARED_PROMPT = """
 import torch
 from megalith_chat.engine.fast_attention import decode_attention

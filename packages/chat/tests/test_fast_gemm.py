@@ -125,3 +125,10 @@ def test_bad_input_is_refused() -> None:
         GemmConfig(block_n=24)
     with pytest.raises(ConfigError, match="split must be >= 1, got 0"):
         GemmConfig(split=0)
+
+
+def test_tile_configuration_parsed_or_refused() -> None:
+    assert GemmConfig.parse(" 32x256w8s4 ") == GemmConfig(block_n=32, block_k=256, warps=8, stages=4)
+    for text, needle in (("64x128", "is not <block_n>x<block_k>"), ("48x128w4s3", "block_n must be a power")):
+        with pytest.raises(ConfigError, match=needle):
+            GemmConfig.parse(text)

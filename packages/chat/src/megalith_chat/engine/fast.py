@@ -36,6 +36,7 @@ import copy
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -43,13 +44,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalith.common.errors import ConfigError
-from megalith_chat.engine import fast_mlp, fast_ops, fast_sample
+from megalith_chat.engine import fast_gemm, fast_mlp, fast_ops, fast_sample
 from megalith_chat.engine.fast_attention import (
     Prologue,
     choose_attention,
     decode_attention,
     shared_prompts_error,
 )
+from megalith_chat.engine.fast_gemm import ProjectionConfigs
 from megalith_chat.engine.fast_prologue import rope_store, rope_store_reference, supported
 from megalith_chat.engine.fast_state import DecodeState
 from megalith_chat.engine.fast_weights import EngineWeights, ModelShape, effective_weights, unwrap_peft
@@ -71,6 +73,7 @@ class StepKey(NamedTuple):
     filtered: bool  # top-k / top-p sampling
     members: int  # rows per shared prompt (1: unshared)
     in_attention: bool  # the attention kernel does the QKV prologue
+    gemm: ProjectionConfigs | None  # projections by :mod:`.fast_gemm` (split-K Triton); None: cuBLAS
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,10 @@ class FastEngineConfig:
     # Triton attention: a group's prompt is prefilled and read once. None (auto): where it pays
     # (module doc); True: at every batch (warns when unusable); False: never
     share_prompts: bool | None = None
+    # CUDA: the decode step's projections by the split-K Triton matmul of :mod:`.fast_gemm` (QKV; o
+    # and down with the residual add; gate/up with 1 / rms and SwiGLU) instead of cuBLAS. Off by
+    # default: an experiment until a GPU run shows it faster (README)
+    fast_gemm: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_len < 2:
@@ -146,6 +153,8 @@ class FastEngine:
         self.attention = choose_attention(self.config.attention, self.device, self.shape.head_dim)
         self.fused_prologue = cuda and self.config.fused_prologue and supported(self.shape.head_dim)
         self.fused_sampling = cuda and self.config.fused_sampling
+        # the split-K projections' tiles, None for cuBLAS (benchmarks change it; graphs are keyed by it)
+        self.gemm = ProjectionConfigs() if cuda and self.config.fast_gemm else None
         # unshared steps: the attention kernel takes the prologue over (benchmarks switch it off; the
         # step's graphs are keyed by it)
         self.prologue_in_attention = self.attention == "triton" and self.fused_prologue
@@ -246,22 +255,24 @@ class FastEngine:
     def _key(self, b: int, kv_len: int, filtered: bool, members: int = 1) -> StepKey:
         """What a decode step is captured by: its arguments and the engine's switches."""
         in_attention = self.prologue_in_attention and members == 1
-        return StepKey(b, kv_len, filtered, members, in_attention)
+        return StepKey(b, kv_len, filtered, members, in_attention, self.gemm)
 
     def _decode_body(self, key: StepKey) -> None:
         """One decode step over static buffers (the graph-captured unit; see module doc)."""
-        b, kv_len, filtered, members, in_attention = key
+        b, kv_len, filtered, members, in_attention, tiles = key
         w, s, st, ops = self.weights, self.shape, self.state, self.ops
         x, cos, sin, mask = ops.decode_prelude(
             st.tok[:b], st.slot, st.start[:b], w.embed, self._cos, self._sin, st.arange[:kv_len]
         )
+        gemm = fast_gemm.gemm
+        qkv_linear = F.linear if tiles is None else partial(gemm, config=tiles.qkv)
         for i in range(s.layers):
             kc, vc = self.k_cache[i, :b, :, :kv_len], self.v_cache[i, :b, :, :kv_len]
             q: torch.Tensor | Prologue
             if in_attention:  # the attention kernel rotates q and writes k, v itself
-                q = Prologue(F.linear(x, w.wqkv[i]), cos, sin, x, w.bqkv[i], s.eps)
+                q = Prologue(qkv_linear(x, w.wqkv[i]), cos, sin, x, w.bqkv[i], s.eps)
             elif self.fused_prologue:
-                qkv = F.linear(x, w.wqkv[i])
+                qkv = qkv_linear(x, w.wqkv[i])
                 q = rope_store(qkv, cos, sin, kc, vc, st.slot, s.kv_heads, s.head_dim, x, w.bqkv[i], s.eps)
             else:
                 qkv = ops.norm_linear(x, w.wqkv[i], w.bqkv[i], s.eps)
@@ -275,6 +286,13 @@ class FastEngine:
             else:
                 assert isinstance(q, torch.Tensor)
                 attn = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scale)
+            if tiles is not None:  # residual adds in the matmuls' epilogues; 1 / rms + SwiGLU in gate/up's
+                x = gemm(attn.reshape(b, -1), w.wo[i], "residual", out=x, config=tiles.o)
+                bias = w.bo[i]
+                x = x if bias is None else x + bias
+                h = gemm(x, w.wgu[i], "swiglu", eps=s.eps, config=tiles.gate_up)
+                gemm(h, w.wd[i], "residual", out=x, config=tiles.down)
+                continue
             x = self._residual(x, attn.reshape(b, -1), w.wo[i], w.bo[i])
             norm_silu_mul = fast_mlp.norm_silu_mul if self.fused_prologue else ops.norm_silu_mul
             x = self._residual(x, norm_silu_mul(F.linear(x, w.wgu[i]), x, s.eps), w.wd[i], None)

@@ -19,17 +19,19 @@ Epilogues (``a [M, K]``, ``w [N, K]`` row-major, as the engine stores its weight
   1 / rms(x)``, whose sum of squares is accumulated from the same loads of ``x``, ``[M, I]`` out.
   This is the gate/up matmul and :func:`.fast_mlp.norm_silu_mul` in one launch.
 
-The engine does not use it yet: ``benchmarks/gpu_decode_gemm.py`` times it against cuBLAS
-(variants ``triton``, ``triton_residual``, ``triton_swiglu``). The tests check it against torch in
+The engine runs its decode projections with it when ``FastEngineConfig.fast_gemm`` is on (off by
+default); ``benchmarks/gpu_decode_gemm.py`` times it against cuBLAS (variants ``triton``,
+``triton_residual``, ``triton_swiglu``) and ``benchmarks/gpu_generate.py`` the engine with and without it. The tests check it against torch in
 the Triton interpreter (``TRITON_INTERPRET=1``) and compile it for sm_90.
 """
 
 # ruff: noqa: PLR0913  (Triton kernels take their pointers, strides and sizes as arguments)
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -56,6 +58,24 @@ class GemmConfig:
                 raise ConfigError(f"{name} must be a power of two >= 16, got {value}")
         if self.split is not None and self.split < 1:
             raise ConfigError(f"split must be >= 1, got {self.split}")
+
+    @classmethod
+    def parse(cls, text: str) -> GemmConfig:
+        """``"<block_n>x<block_k>w<warps>s<stages>"`` (e.g. ``"64x128w4s3"``; split automatic)."""
+        found = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", text.strip())
+        if not found:
+            raise ConfigError(f"{text!r} is not <block_n>x<block_k>w<warps>s<stages>, e.g. 64x128w4s3")
+        bn, bk, warps, stages = map(int, found.groups())
+        return cls(block_n=bn, block_k=bk, warps=warps, stages=stages)
+
+
+class ProjectionConfigs(NamedTuple):
+    """The tile configuration of each decode projection (the engine's ``gemm``)."""
+
+    qkv: GemmConfig = GemmConfig()
+    o: GemmConfig = GemmConfig()
+    gate_up: GemmConfig = GemmConfig()
+    down: GemmConfig = GemmConfig()
 
 
 def make_kernel() -> Any:
@@ -149,6 +169,11 @@ def _buffer(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tenso
     return _BUFFERS[key]
 
 
+@cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 @dataclass(frozen=True)
 class Plan:
     """How a call is cut: ``tiles`` output tiles of ``block_m x block_n``, K in ``split`` ranges."""
@@ -200,7 +225,7 @@ def gemm(
         raise ConfigError(f"out is only taken by the residual epilogue, not {epilogue!r}")
     else:
         out = a.new_empty(m, n)
-    sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else DEFAULT_SMS
+    sms = _sm_count(a.device) if a.is_cuda else DEFAULT_SMS
     p = plan(m, n, k, config, sms)
     parts = 2 if epilogue == "swiglu" else 1
     partials = _buffer(
