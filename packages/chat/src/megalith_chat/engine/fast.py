@@ -81,8 +81,8 @@ class FastEngineConfig:
     """Sizes and switches; ``dtype=None`` means bfloat16 on CUDA and float32 on CPU.
 
     ``cuda_graphs``, ``compile_ops`` (``torch.compile`` of the elementwise pieces) and
-    ``fused_prologue`` (:mod:`.fast_prologue`, :mod:`.fast_mlp`) and ``fused_sampling``
-    (:mod:`.fast_sample`) apply on CUDA only. ``sync_every``: decode steps between host checks (stop strings, all rows finished).
+    ``fused_prologue`` (:mod:`.fast_prologue`, :mod:`.fast_mlp`), ``fused_sampling``
+    (:mod:`.fast_sample`) and ``fast_gemm`` (:mod:`.fast_gemm`) apply on CUDA only. ``sync_every``: decode steps between host checks (stop strings, all rows finished).
     """
 
     max_batch: int = 64
