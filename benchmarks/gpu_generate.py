@@ -12,10 +12,10 @@ process. ``fast_grouped`` is the same engine with ``share_prompts=True`` on ``B 
 8 samples each (GRPO's groups) given as ``generate(..., group=8)``: each prompt is prefilled once and
 its cache slots are read once per group; it also records ``unshared_tokens_per_s``, the same
 prompts without ``group``, in the same process, and at the first batch the log-prob error of both
-against a teacher-forced HF forward. On CUDA ``fast`` is also timed with its projections by the split-K Triton matmul of
-``fast_gemm`` (``triton_gemm_tokens_per_s``, tiles from ``--gemm-configs``), then with cuBLAS and
-Triton again, in the same process, with the same correctness check (``triton_gemm_check``).
-``fast_sdpa`` swaps in SDPA for the decode attention;
+against a teacher-forced HF forward. On CUDA ``fast`` is also timed with its projections by the
+split-K Triton matmul of ``fast_gemm`` (``triton_gemm_tokens_per_s``, tiles from
+``--gemm-configs``), then with cuBLAS and Triton again, in the same process, with the same
+correctness check (``triton_gemm_check``). ``fast_sdpa`` swaps in SDPA for the decode attention;
 ``fast_nocompile`` / ``fast_eager`` drop the compiled ops / the graphs too.
 
 Memory-bound floor (new tokens/s): a decode step must read every weight that takes part in it
@@ -180,9 +180,7 @@ def run_fast(args: argparse.Namespace, model: Any, batch: int, mode: str) -> dic
     prefill = prefill_seconds(args, engine, ids, mask, params, group)
     out: dict[str, Any] = {"group": group, "members": engine._members(ids, mask, group, engine.bucket(batch))}
     if group > 1:  # the same prompts without sharing, same process
-        engine.generate(ids, mask, params)
-        unshared = timed(lambda: engine.generate(ids, mask, params), args.device, 3)
-        out["unshared_tokens_per_s"] = batch * args.new_tokens / unshared
+        out["unshared_tokens_per_s"] = ungrouped_rate(args, engine, ids, mask, params)
         if batch == args.batches[0]:
             out["check"] = {
                 name: logprob_error(model, ids, mask, engine.generate(ids, mask, params, group=g))
@@ -202,26 +200,9 @@ def run_fast(args: argparse.Namespace, model: Any, batch: int, mode: str) -> dic
     if mode == "fast" and engine.prologue_in_attention:  # A/B in this process: the prologue kernel apart
         for name, inside in (("separate_prologue", False), ("in_attention_again", True)):
             engine.prologue_in_attention = inside  # graphs are keyed by it: the first call captures
-            engine.generate(ids, mask, params)
-            seconds = timed(lambda: engine.generate(ids, mask, params), args.device, 3)
-            out[f"{name}_tokens_per_s"] = batch * args.new_tokens / seconds
+            out[f"{name}_tokens_per_s"] = ungrouped_rate(args, engine, ids, mask, params)
     if mode == "fast" and args.device == "cuda" and args.gemm_configs:  # A/B: split-K Triton projections
-        engine.gemm = gemm_configs(args.gemm_configs, batch)
-        out["triton_gemm_configs"] = {k: str(v) for k, v in engine.gemm._asdict().items()}
-        for name, tiles in (
-            ("triton_gemm", engine.gemm),
-            ("cublas_again", None),
-            ("triton_gemm_again", engine.gemm),
-        ):
-            engine.gemm = tiles  # graphs are keyed by it: the first call captures
-            engine.generate(ids, mask, params)
-            seconds = timed(lambda: engine.generate(ids, mask, params), args.device, 3)
-            out[f"{name}_tokens_per_s"] = batch * args.new_tokens / seconds
-        if batch == args.batches[0]:
-            out["triton_gemm_check"] = correctness(args, model, engine)
-            if args.profile:
-                out["triton_gemm_profile"] = decode_profile(args, engine, batch)
-        engine.gemm = None
+        out |= triton_gemm_ab(args, model, engine, ids, mask, params)
     if batch == args.batches[0] and mode == "fast":
         out["check"] = correctness(args, model, engine)
         if args.profile:
@@ -229,6 +210,32 @@ def run_fast(args: argparse.Namespace, model: Any, batch: int, mode: str) -> dic
     if args.profile and group > 1:  # the same step with and without the shared prompt slots
         out["profile"] = decode_profile(args, engine, batch, group)
         out["unshared_profile"] = decode_profile(args, engine, batch)
+    return out
+
+
+def ungrouped_rate(args: argparse.Namespace, engine: Any, ids: Any, mask: Any, params: Any) -> float:
+    """New tokens/s of ``generate`` without ``group``, after an untimed call (which captures)."""
+    engine.generate(ids, mask, params)
+    seconds = timed(lambda: engine.generate(ids, mask, params), args.device, 3)
+    return ids.shape[0] * args.new_tokens / seconds
+
+
+def triton_gemm_ab(
+    args: argparse.Namespace, model: Any, engine: Any, ids: Any, mask: Any, params: Any
+) -> dict[str, Any]:
+    """The engine with its projections by ``fast_gemm`` (tiles from ``--gemm-configs``), then by
+    cuBLAS, then by Triton again; at the first batch also its correctness check (and profile)."""
+    batch = ids.shape[0]
+    tiles = gemm_configs(args.gemm_configs, batch)
+    out: dict[str, Any] = {"triton_gemm_configs": {k: str(v) for k, v in tiles._asdict().items()}}
+    for name, gemm in (("triton_gemm", tiles), ("cublas_again", None), ("triton_gemm_again", tiles)):
+        engine.gemm = gemm  # graphs are keyed by it: the first call captures
+        out[f"{name}_tokens_per_s"] = ungrouped_rate(args, engine, ids, mask, params)
+    if batch == args.batches[0]:
+        out["triton_gemm_check"] = correctness(args, model, engine)
+        if args.profile:
+            out["triton_gemm_profile"] = decode_profile(args, engine, batch)
+    engine.gemm = None
     return out
 
 
@@ -244,6 +251,7 @@ def gemm_configs(text: str, batch: int) -> Any:
     """``--gemm-configs``: one tile configuration for every projection, ``qkv=..,o=..,gate_up=..,down=..``,
     or ``best:<gpu_decode_gemm result>``: per projection, the fastest of the Triton variant the engine
     runs (``PROJECTION_VARIANT``) at the measured row count nearest ``batch``."""
+    from megalith.common.errors import ConfigError
     from megalith_chat.engine.fast_gemm import GemmConfig, ProjectionConfigs
 
     if text.startswith("best:"):
@@ -257,6 +265,11 @@ def gemm_configs(text: str, batch: int) -> Any:
     if "=" not in text:
         return ProjectionConfigs(*[GemmConfig.parse(text)] * 4)
     pairs = dict(part.split("=", 1) for part in text.split(","))
+    unknown = sorted(set(pairs) - set(ProjectionConfigs._fields))
+    if unknown:
+        raise ConfigError(
+            f"--gemm-configs: unknown projection {unknown[0]!r}, not one of {ProjectionConfigs._fields}"
+        )
     return ProjectionConfigs(**{k: GemmConfig.parse(v) for k, v in pairs.items()})
 
 

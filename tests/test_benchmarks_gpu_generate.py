@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -17,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _load() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    """The benchmark as a module (it puts ``benchmarks/`` on ``sys.path`` for its ``_common``)."""
     spec = importlib.util.spec_from_file_location(
         "_bench_gpu_generate", ROOT / "benchmarks" / "gpu_generate.py"
     )
@@ -34,6 +33,8 @@ def test_one_configuration_or_one_per_projection() -> None:
     assert pick("o=32x256w8s4,down=32x256w8s4", 64) == ProjectionConfigs(o=tiles, down=tiles)
     with pytest.raises(ConfigError, match="'32x256' is not"):
         pick("qkv=32x256", 64)
+    with pytest.raises(ConfigError, match="unknown projection 'up'"):
+        pick("up=32x256w8s4", 64)
 
 
 def test_best_measured_tiles_of_the_variant_the_engine_runs(tmp_path: Path) -> None:

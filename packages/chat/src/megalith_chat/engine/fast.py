@@ -82,7 +82,8 @@ class FastEngineConfig:
 
     ``cuda_graphs``, ``compile_ops`` (``torch.compile`` of the elementwise pieces) and
     ``fused_prologue`` (:mod:`.fast_prologue`, :mod:`.fast_mlp`), ``fused_sampling``
-    (:mod:`.fast_sample`) and ``fast_gemm`` (:mod:`.fast_gemm`) apply on CUDA only. ``sync_every``: decode steps between host checks (stop strings, all rows finished).
+    (:mod:`.fast_sample`) and ``fast_gemm`` (:mod:`.fast_gemm`) apply on CUDA only.
+    ``sync_every``: decode steps between host checks (stop strings, all rows finished).
     """
 
     max_batch: int = 64
@@ -265,6 +266,7 @@ class FastEngine:
             st.tok[:b], st.slot, st.start[:b], w.embed, self._cos, self._sin, st.arange[:kv_len]
         )
         gemm = fast_gemm.gemm
+        # the unfused QKV path (ops.norm_linear) stays on cuBLAS: its bias and 1 / rms are torch ops
         qkv_linear = F.linear if tiles is None else partial(gemm, config=tiles.qkv)
         for i in range(s.layers):
             kc, vc = self.k_cache[i, :b, :, :kv_len], self.v_cache[i, :b, :, :kv_len]

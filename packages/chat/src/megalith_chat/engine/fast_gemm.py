@@ -21,8 +21,9 @@ Epilogues (``a [M, K]``, ``w [N, K]`` row-major, as the engine stores its weight
 
 The engine runs its decode projections with it when ``FastEngineConfig.fast_gemm`` is on (off by
 default); ``benchmarks/gpu_decode_gemm.py`` times it against cuBLAS (variants ``triton``,
-``triton_residual``, ``triton_swiglu``) and ``benchmarks/gpu_generate.py`` the engine with and without it. The tests check it against torch in
-the Triton interpreter (``TRITON_INTERPRET=1``) and compile it for sm_90.
+``triton_residual``, ``triton_swiglu``) and ``benchmarks/gpu_generate.py`` the engine with and
+without it. The tests check it against torch in the Triton interpreter (``TRITON_INTERPRET=1``)
+and compile it for sm_90.
 """
 
 # ruff: noqa: PLR0913  (Triton kernels take their pointers, strides and sizes as arguments)
