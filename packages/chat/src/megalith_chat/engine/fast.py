@@ -8,7 +8,7 @@ its own forward (:mod:`.fast_ops`; decode attention by the split-KV Triton kerne
 
 Prompts are left-padded to a common width ``P``; row ``r``'s prompt starts at ``start[r]``.
 
-* **prefill** (not captured; the same, possibly compiled, elementwise ops): one pass over
+* **prefill** (not captured; the norms, rotary and SwiGLU by ``megalith.kernels``): one pass over
   ``[b, P]`` fills cache slots ``0 .. P-1`` and samples the first token from the last position's
   logits;
 * **decode**: feeds the token at cache slot ``s`` (same slot for every row), writes its K/V there,
@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalith.common.errors import ConfigError
+from megalith.kernels import get_kernel
 from megalith_chat.engine import fast_gemm, fast_mlp, fast_ops, fast_sample
 from megalith_chat.engine.fast_attention import (
     Prologue,
@@ -58,6 +59,9 @@ from megalith_chat.engine.fast_weights import EngineWeights, ModelShape, effecti
 from megalith_chat.engine.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# the prefill's elementwise kernels (per-call dispatch: Triton on CUDA, the torch fallbacks elsewhere)
+_rms_norm, _rope, _swiglu = (get_kernel(name) for name in ("rms_norm_fwd", "rope", "swiglu_fwd"))
 
 SHARE_MIN_PAIRS = 2048  # share_prompts=None: share in buckets of at least this many (row, KV head) pairs
 
@@ -163,6 +167,8 @@ class FastEngine:
         self._graphs: dict[StepKey, torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
         self.scale = self.shape.head_dim**-0.5
+        # the prefill's norm weight (the layers' own are folded into their projections)
+        self._ones = torch.ones(self.shape.hidden, device=self.device, dtype=self.dtype)
         self.max_batch, self.max_len = 0, 0
         self.reserve(self.config.max_batch, self.config.max_len)
 
@@ -215,34 +221,41 @@ class FastEngine:
     # ---------------------------------------------------------------- forward
     def _prefill(self, ids: torch.Tensor, start: torch.Tensor, every: int = 1) -> torch.Tensor:
         """Fill cache slots ``0..P-1`` of cache rows ``0, every, .., (b-1)·every`` from ``ids [b, P]``;
-        returns last-position logits ``[b, V]``."""
-        w, s, ops = self.weights, self.shape, self.ops
+        returns last-position logits ``[b, V]``.
+
+        The norms, rotary and SwiGLU are ``megalith.kernels``' (Triton on CUDA, torch elsewhere):
+        the inputs of a projection are normalised before it (``x / rms(x)``, the norm weight is
+        folded into the projection), so every elementwise pass reads each tensor once."""
+        w, s = self.weights, self.shape
         b, p = ids.shape
         ar = torch.arange(p, device=self.device)
         pos = (ar.unsqueeze(0) - start.unsqueeze(1)).clamp(min=0)
-        cos, sin = self._cos[pos].unsqueeze(1), self._sin[pos].unsqueeze(1)  # [b, 1, P, D]
+        cos, sin = self._cos[pos], self._sin[pos]  # [b, P, D]
         causal = ar.unsqueeze(1) >= ar.unsqueeze(0)  # [query, key]
         allowed = (ar.unsqueeze(0) >= start.unsqueeze(1)).unsqueeze(1) | torch.eye(
             p, dtype=torch.bool, device=self.device
         )
         mask = (causal.unsqueeze(0) & allowed).unsqueeze(1)  # pad queries attend to themselves only
-        x = w.embed[ids]
+        x = w.embed[ids].view(b * p, s.hidden)
         q_width, kv_width = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        inter = s.intermediate
+        group = s.heads // s.kv_heads
         for i in range(s.layers):
-            qkv = ops.norm_linear(x, w.wqkv[i], w.bqkv[i], s.eps)
+            qkv = F.linear(_rms_norm(x, self._ones, s.eps)[0], w.wqkv[i], w.bqkv[i]).view(b, p, -1)
             q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
-            q = ops.rotate(q.view(b, p, s.heads, s.head_dim).transpose(1, 2), cos, sin)
-            k = ops.rotate(k.view(b, p, s.kv_heads, s.head_dim).transpose(1, 2), cos, sin)
+            q = _rope(q.view(b, p, s.heads, s.head_dim).transpose(1, 2), cos, sin, False)
+            k = _rope(k.view(b, p, s.kv_heads, s.head_dim).transpose(1, 2), cos, sin, False)
             v = v.view(b, p, s.kv_heads, s.head_dim).transpose(1, 2)
             self.k_cache[i, : b * every : every, :, :p] = k
             self.v_cache[i, : b * every : every, :, :p] = v
-            group = s.heads // s.kv_heads
             if group > 1:
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-            x = self._residual(x, attn.transpose(1, 2).reshape(b, p, q_width), w.wo[i], w.bo[i])
-            x = self._residual(x, ops.norm_silu_mul(F.linear(x, w.wgu[i]), x, s.eps), w.wd[i], None)
-        return F.linear(ops.rms_norm(x[:, -1], w.norm, s.eps), w.lm_head)
+            x = self._residual(x, attn.transpose(1, 2).reshape(b * p, q_width), w.wo[i], w.bo[i])
+            gate_up = F.linear(_rms_norm(x, self._ones, s.eps)[0], w.wgu[i])
+            x = self._residual(x, _swiglu(gate_up[:, :inter], gate_up[:, inter:]), w.wd[i], None)
+        last = x.view(b, p, s.hidden)[:, -1]
+        return F.linear(self.ops.rms_norm(last, w.norm, s.eps), w.lm_head)
 
     @staticmethod
     def _residual(
