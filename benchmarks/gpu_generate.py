@@ -560,10 +560,9 @@ def main() -> None:
     )
     p.add_argument(
         "--prefetch-programs",
-        default="1,4,16",
+        default="32,128",
         help="'fast' on CUDA is also timed with the L2 weight prefetch (fast_prefetch) of each of these "
-        "comma-separated counts of programs per tensor, then without it, in the same process; '' skips "
-        "(default: 1,4,16)",
+        "comma-separated program counts, then without it, in the same process; '' skips (default: 32,128)",
     )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()

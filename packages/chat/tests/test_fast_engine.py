@@ -662,18 +662,16 @@ for evict in ("", "evict_first"):
     print(json.dumps({"evict": evict, "loads": len(re.findall(r"cp[.]async[.][^;]*global[^;]*;", text)),
                       "hinted": len(re.findall(r"cp[.]async[.][^;]*L2::cache_hint[^;]*;", text)),
                       "evict_first": "L2::evict_first" in text}))
-text = ptx(fast_prefetch.make_kernel(), dict(CHUNK=16384, LANES=32), lambda n: "*bf16" if n == "x_ptr" else "i64",
-           lambda n: n.endswith("_ptr"))
-print(json.dumps({"bulk_prefetch": "cp.async.bulk.prefetch.L2.global.L2::cache_hint" in text,
-                  "evict_last": "createpolicy.fractional.L2::evict_last" in text}))
+text = ptx(fast_prefetch.make_kernel(), dict(BLOCK=4096), lambda n: "*bf16" if n == "x_ptr" else
+           "*fp32" if n == "out_ptr" else "i64", lambda n: n.endswith("_ptr"))
+print(json.dumps({"prefetch_evict_last": "evict_last" in text}))
 """
 
 
 def test_decode_attention_compiles_for_hopper() -> None:
     """Compiled for an H100/H200 (sm_90, no GPU needed): the decode attention's cache loads (k and
     v) are pipelined as asynchronous copies, which carry the ``evict_first`` L2 policy when the
-    weight prefetch asks for it (and no policy otherwise); the weight prefetch is Hopper's bulk L2
-    prefetch with the ``evict_last`` policy."""
+    weight prefetch asks for it (and no policy otherwise); the prefetch's loads are ``evict_last``."""
     pytest.importorskip("triton")
     import json
 
@@ -682,7 +680,31 @@ def test_decode_attention_compiles_for_hopper() -> None:
     assert plain["loads"] >= 2 and evicting["loads"] >= 2  # k and v pipelined
     assert plain["hinted"] == 0 and not plain["evict_first"]
     assert evicting["hinted"] == evicting["loads"] and evicting["evict_first"]
-    assert prefetch["bulk_prefetch"] and prefetch["evict_last"]
+    assert prefetch["prefetch_evict_last"]
+
+
+CHECK_PREFETCH = """
+import torch
+from megalith_chat.engine import fast_prefetch
+g = torch.Generator().manual_seed(0)
+tensors = [torch.randn(*shape, generator=g) for shape in ((7, 1000), (3,), (2, 4096))]
+out = fast_prefetch.scratch(len(tensors), 3, torch.device("cpu"))
+fast_prefetch.prefetch(tensors, out)
+print("MAXERR", max(abs(float(row.sum()) - float(t.double().sum())) for row, t in zip(out, tensors)))
+try:
+    fast_prefetch.prefetch([tensors[0].t()], out)
+except ValueError as exc:
+    print("REFUSED", exc)
+"""
+
+
+def test_weight_prefetch_reads_every_element_in_interpreter() -> None:
+    """The L2 prefetch kernel (interpreter): each tensor's programs together sum all its elements
+    (sizes that are not whole blocks, more programs than blocks); a non-contiguous tensor is
+    refused, naming its shape."""
+    stdout = in_interpreter(CHECK_PREFETCH)
+    assert float(stdout.split("MAXERR")[1].split()[0]) < 1e-3
+    assert "REFUSED prefetch: tensor of shape (1000, 7) is not contiguous" in stdout
 
 
 def test_prefetch_programs_refused_below_zero() -> None:

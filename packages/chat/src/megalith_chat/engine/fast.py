@@ -78,7 +78,7 @@ class StepKey(NamedTuple):
     members: int  # rows per shared prompt (1: unshared)
     in_attention: bool  # the attention kernel does the QKV prologue
     gemm: ProjectionConfigs | None  # projections by :mod:`.fast_gemm` (split-K Triton); None: cuBLAS
-    prefetch: int  # programs per tensor of the L2 weight prefetch (:mod:`.fast_prefetch`); 0: none
+    prefetch: int  # programs of the weight prefetch next to each attention (:mod:`.fast_prefetch`); 0: none
 
 
 @dataclass(frozen=True)
@@ -111,9 +111,9 @@ class FastEngineConfig:
     # and down with the residual add; gate/up with 1 / rms and SwiGLU) instead of cuBLAS. Off by
     # default: an experiment until a GPU run shows it faster (README)
     fast_gemm: bool = False
-    # CUDA (sm_90+), Triton attention: prefetch each layer's o, gate/up and down weights and the next
-    # layer's QKV weight into L2 from a side stream while the attention runs (:mod:`.fast_prefetch`),
-    # with this many programs per tensor; 0: none
+    # CUDA, Triton attention: the programs of the side-stream kernel that reads each layer's o,
+    # gate/up and down weights and the next layer's QKV weight into L2 while the attention runs
+    # (:mod:`.fast_prefetch`); 0: none
     prefetch_programs: int = 0
 
     def __post_init__(self) -> None:
@@ -286,6 +286,7 @@ class FastEngine:
         b, kv_len, filtered, members, in_attention, tiles, programs = key
         w, s, st, ops = self.weights, self.shape, self.state, self.ops
         side = self._prefetch_stream() if programs else None
+        scratch = fast_prefetch.scratch(4, programs, self.device) if programs else None
         x, cos, sin, mask = ops.decode_prelude(
             st.tok[:b], st.slot, st.start[:b], w.embed, self._cos, self._sin, st.arange[:kv_len]
         )
@@ -309,7 +310,7 @@ class FastEngine:
                 ahead = [w.wo[i], w.wgu[i], w.wd[i]] + ([w.wqkv[i + 1]] if i + 1 < s.layers else [])
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
-                    fast_prefetch.prefetch(ahead, programs)
+                    fast_prefetch.prefetch(ahead, scratch)
             if self.attention == "triton":
                 attn = decode_attention(
                     q, kc, vc, st.start[:b], st.slot, self.scale, members=members, prompt_end=st.prompt_end,

@@ -4,14 +4,14 @@ At decode batch sizes a projection is a small matmul (64 rows against a few MB o
 cuBLAS runs well below the memory bandwidth: on an H100 the 0.37B shape's four projections of a
 layer took 25 µs from DRAM and 19 µs with their weights already in L2
 (``benchmarks/gpu_decode_gemm.py``: ``linear`` against ``linear_l2``). The decode attention before
-them is the bandwidth-bound part of the layer. :func:`prefetch` asks the copy engine of each SM for
-bulk L2 prefetches of whole tensors (Hopper's ``cp.async.bulk.prefetch.L2``, ``evict_last``
-policy): launched on a side stream next to the attention, whose key/value loads are then
-``evict_first``, it moves the weight reads into the attention's time without holding SMs (a
-program issues its prefetches and exits; nothing is loaded into registers).
+them is the bandwidth-bound part of the layer. :func:`prefetch` reads tensors with the
+``evict_last`` cache policy and sums them into a scratch buffer (so the loads are kept): launched on
+a side stream next to the attention, whose key/value loads are then ``evict_first``, it moves the
+weight reads into the attention's time.
 
-CUDA, sm_90 or newer only (the engine uses it only there); the tests check the instructions in the
-kernel compiled for sm_90.
+Grid: ``programs`` programs per tensor, each summing a contiguous slice into
+``scratch[tensor, program]``. Built lazily (``TRITON_INTERPRET=1`` runs it on the CPU, which is how
+the tests check that every element is read).
 """
 
 from __future__ import annotations
@@ -22,34 +22,24 @@ from typing import Any
 
 import torch
 
-CHUNK = 16384  # bytes per bulk prefetch (a multiple of 16)
-LANES = 32  # prefetches a program issues at once
-PROGRAMS = 8  # programs per tensor, by default
+BLOCK = 4096  # elements per load
 
 
 def make_kernel() -> Any:
-    """A fresh Triton kernel."""
+    """A fresh Triton kernel (reads ``TRITON_INTERPRET`` now)."""
     import triton
     import triton.language as tl
 
     # arguments stay unannotated: @triton.jit reads annotations (tl.constexpr) to specialise a kernel
     @triton.jit
-    def touch(x_ptr, nbytes, per_program, CHUNK: tl.constexpr, LANES: tl.constexpr):  # type: ignore[no-untyped-def]
-        lo = tl.program_id(0).to(tl.int64) * per_program
-        base = x_ptr.to(tl.pointer_type(tl.int8))
-        for off in range(0, per_program, LANES * CHUNK):
-            at = lo + off + tl.arange(0, LANES).to(tl.int64) * CHUNK
-            size = (tl.minimum(tl.maximum(nbytes - at, 0), CHUNK) // 16 * 16).to(tl.int32)
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; .reg .b64 q; setp.gt.s32 p, $2, 0; "
-                "createpolicy.fractional.L2::evict_last.b64 q, 1.0; "
-                "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, q; mov.u32 $0, 0; }",
-                "=r,l,r",
-                [base + at, size],
-                dtype=tl.int32,
-                is_pure=False,
-                pack=1,
-            )
+    def touch(x_ptr, out_ptr, numel, per_program, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        pid = tl.program_id(0)
+        lo = pid.to(tl.int64) * per_program
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for off in range(0, per_program, BLOCK):
+            i = lo + off + tl.arange(0, BLOCK)
+            acc += tl.load(x_ptr + i, mask=i < numel, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        tl.store(out_ptr + pid, tl.sum(acc, axis=0))
 
     return touch
 
@@ -59,14 +49,20 @@ def _kernel() -> Any:
     return make_kernel()
 
 
-def prefetch(tensors: Sequence[torch.Tensor], programs: int = PROGRAMS, kernel: Any = None) -> None:
-    """Prefetch every byte of each contiguous CUDA tensor into L2 (``evict_last``), ``programs``
-    programs per tensor."""
+def scratch(tensors: int, programs: int, device: torch.device) -> torch.Tensor:
+    """The buffer :func:`prefetch` writes: ``[tensors, programs]`` float32."""
+    return torch.empty(tensors, programs, dtype=torch.float32, device=device)
+
+
+def prefetch(tensors: Sequence[torch.Tensor], out: torch.Tensor, kernel: Any = None) -> None:
+    """Read every element of each (contiguous) tensor through L2 with ``evict_last``; ``out
+    [len(tensors), programs]`` gets each program's sum of its slice (row ``t`` sums to tensor ``t``'s
+    sum)."""
+    programs = out.shape[1]
     touch = kernel or _kernel()
-    for t in tensors:
+    for t, row in zip(tensors, out):
         if not t.is_contiguous():
             raise ValueError(f"prefetch: tensor of shape {tuple(t.shape)} is not contiguous")
-        nbytes = t.numel() * t.element_size()
-        per = -(-nbytes // programs)
-        per = -(-per // (LANES * CHUNK)) * LANES * CHUNK  # whole rounds of prefetches per program
-        touch[(programs,)](t, nbytes, per, CHUNK=CHUNK, LANES=LANES, num_warps=1)
+        per = -(-t.numel() // programs)
+        per = -(-per // BLOCK) * BLOCK  # whole blocks per program
+        touch[(programs,)](t, row, t.numel(), per, BLOCK=BLOCK)
