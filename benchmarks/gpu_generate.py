@@ -15,9 +15,7 @@ prompts without ``group``, in the same process, and at the first batch the log-p
 against a teacher-forced HF forward. On CUDA ``fast`` is also timed with its projections by the
 split-K Triton matmul of ``fast_gemm`` (``triton_gemm_tokens_per_s``, tiles from
 ``--gemm-configs``), then with cuBLAS and Triton again, in the same process, with the same
-correctness check (``triton_gemm_check``). Likewise with the L2 weight prefetch of ``fast_prefetch``
-for each program count of ``--prefetch-programs`` (``prefetch<N>_tokens_per_s``, then without it,
-``prefetch_off_again_tokens_per_s``; check ``prefetch_check``). ``fast_sdpa`` swaps in SDPA for the decode attention;
+correctness check (``triton_gemm_check``). ``fast_sdpa`` swaps in SDPA for the decode attention;
 ``fast_nocompile`` / ``fast_eager`` drop the compiled ops / the graphs too.
 
 Memory-bound floor (new tokens/s): a decode step must read every weight that takes part in it
@@ -205,8 +203,6 @@ def run_fast(args: argparse.Namespace, model: Any, batch: int, mode: str) -> dic
             out[f"{name}_tokens_per_s"] = ungrouped_rate(args, engine, ids, mask, params)
     if mode == "fast" and args.device == "cuda" and args.gemm_configs:  # A/B: split-K Triton projections
         out |= triton_gemm_ab(args, model, engine, ids, mask, params)
-    if mode == "fast" and args.device == "cuda" and args.prefetch_programs:  # A/B: L2 weight prefetch
-        out |= prefetch_ab(args, model, engine, ids, mask, params)
     if batch == args.batches[0] and mode == "fast":
         out["check"] = correctness(args, model, engine)
         if args.profile:
@@ -240,25 +236,6 @@ def triton_gemm_ab(
         if args.profile:
             out["triton_gemm_profile"] = decode_profile(args, engine, batch)
     engine.gemm = None
-    return out
-
-
-def prefetch_ab(
-    args: argparse.Namespace, model: Any, engine: Any, ids: Any, mask: Any, params: Any
-) -> dict[str, Any]:
-    """The engine with the L2 weight prefetch at each ``--prefetch-programs`` count, then without it;
-    at the first batch the correctness check with the first count."""
-    counts = [int(n) for n in args.prefetch_programs.split(",")]
-    out: dict[str, Any] = {}
-    for name, programs in [(f"prefetch{n}", n) for n in counts] + [("prefetch_off_again", 0)]:
-        engine.prefetch = programs  # graphs are keyed by it: the first call captures
-        out[f"{name}_tokens_per_s"] = ungrouped_rate(args, engine, ids, mask, params)
-    if ids.shape[0] == args.batches[0]:
-        engine.prefetch = counts[0]
-        out["prefetch_check"] = correctness(args, model, engine)
-        if args.profile:
-            out["prefetch_profile"] = decode_profile(args, engine, ids.shape[0])
-    engine.prefetch = engine.config.prefetch_programs
     return out
 
 
@@ -558,12 +535,6 @@ def main() -> None:
         "qkv=..,o=..,gate_up=..,down=.. per projection, best:<gpu_decode_gemm.py result> for the fastest "
         "measured, or '' to skip (default: 64x128w4s3)",
     )
-    p.add_argument(
-        "--prefetch-programs",
-        default="32,128",
-        help="'fast' on CUDA is also timed with the L2 weight prefetch (fast_prefetch) of each of these "
-        "comma-separated program counts, then without it, in the same process; '' skips (default: 32,128)",
-    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     args.batches = [int(b) for b in (args.batches or ("2,4" if args.tiny else "64,256")).split(",")]
@@ -610,8 +581,6 @@ def run_all(args: argparse.Namespace) -> None:
         *(["--profile"] if args.profile else []),
         "--gemm-configs",
         args.gemm_configs,
-        "--prefetch-programs",
-        args.prefetch_programs,
     ]
     for name in args.systems.split(","):
         cmd = [sys.executable, __file__, "--worker", name, *forwarded, *(["--tiny"] if args.tiny else [])]
@@ -639,11 +608,10 @@ def summarise(payload: dict[str, Any]) -> None:
         for row in rows:
             if "tokens_per_s" in row:
                 summary.setdefault(str(row["batch"]), {})[name] = round(row["tokens_per_s"], 1)
-                for key, value in row.items():  # the in-process A/Bs of fast
-                    if key.startswith(("triton_gemm", "prefetch")) and key.endswith("_tokens_per_s"):
-                        summary[str(row["batch"])][f"{name}_{key.removesuffix('_tokens_per_s')}"] = round(
-                            value, 1
-                        )
+                if "triton_gemm_tokens_per_s" in row:
+                    summary[str(row["batch"])][f"{name}_triton_gemm"] = round(
+                        row["triton_gemm_tokens_per_s"], 1
+                    )
             else:
                 summary[name] = {k: round(v, 3) for k, v in row.items() if isinstance(v, float)}
     for b, row in summary.items():

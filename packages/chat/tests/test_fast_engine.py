@@ -640,80 +640,31 @@ import inspect, json, re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from megalith_chat.engine import fast_attention, fast_prefetch
+from megalith_chat.engine import fast_attention
 
-def ptx(kernel, consts, kind, aligned):
-    names = list(inspect.signature(kernel.fn).parameters)
-    sig = {n: kind(n) for n in names if n not in consts}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if aligned(n)}
-    src = ASTSource(kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["ptx"]
-
+partial, _ = fast_attention.make_kernels()
+names = list(inspect.signature(partial.fn).parameters)
+consts = dict(G=1, BG=16, D=64, BN=32, PREC="tf32", DIRECT=True, PART=0, R=1, BQ=16, ROPE=False,
+              NORM=False, HAS_BIAS=False, HIDDEN=1)
 def kind(n):
     if n in ("start_ptr", "slot_ptr", "pend_ptr"): return "*i64"
     if n in ("m_ptr", "l_ptr", "a_ptr"): return "*fp32"
     if n.endswith("_ptr"): return "*bf16"
     return "fp32" if n in ("scale", "eps") else "i32"
-partial, _ = fast_attention.make_kernels()
-for evict in ("", "evict_first"):
-    consts = dict(G=1, BG=16, D=64, BN=32, PREC="tf32", DIRECT=True, PART=0, R=1, BQ=16, ROPE=False,
-                  NORM=False, HAS_BIAS=False, HIDDEN=1, EVICT_KV=evict)
-    text = ptx(partial, consts, kind, lambda n: n.endswith("_ptr") or n in ("sk_b", "sk_h", "sk_t"))
-    print(json.dumps({"evict": evict, "loads": len(re.findall(r"cp[.]async[.][^;]*global[^;]*;", text)),
-                      "hinted": len(re.findall(r"cp[.]async[.][^;]*L2::cache_hint[^;]*;", text)),
-                      "evict_first": "L2::evict_first" in text}))
-text = ptx(fast_prefetch.make_kernel(), dict(BLOCK=4096), lambda n: "*bf16" if n == "x_ptr" else
-           "*fp32" if n == "out_ptr" else "i64", lambda n: n.endswith("_ptr"))
-print(json.dumps({"prefetch_evict_last": "evict_last" in text}))
+aligned = [i for i, n in enumerate(names) if n.endswith("_ptr") or n in ("sk_b", "sk_h", "sk_t")]
+sig = {n: kind(n) for n in names if n not in consts}
+attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+src = ASTSource(partial, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, attrs)
+text = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["ptx"]
+print(json.dumps({"loads": len(re.findall(r"cp[.]async[.][^;]*global[^;]*;", text))}))
 """
 
 
 def test_decode_attention_compiles_for_hopper() -> None:
     """Compiled for an H100/H200 (sm_90, no GPU needed): the decode attention's cache loads (k and
-    v) are pipelined as asynchronous copies, which carry the ``evict_first`` L2 policy when the
-    weight prefetch asks for it (and no policy otherwise); the prefetch's loads are ``evict_last``."""
+    v) are pipelined as asynchronous copies."""
     pytest.importorskip("triton")
     import json
 
-    lines = run_python(HOPPER_PTX, {"TRITON_INTERPRET": None}).strip().splitlines()
-    plain, evicting, prefetch = (json.loads(line) for line in lines[-3:])
-    assert plain["loads"] >= 2 and evicting["loads"] >= 2  # k and v pipelined
-    assert plain["hinted"] == 0 and not plain["evict_first"]
-    assert evicting["hinted"] == evicting["loads"] and evicting["evict_first"]
-    assert prefetch["prefetch_evict_last"]
-
-
-CHECK_PREFETCH = """
-import torch
-from megalith_chat.engine import fast_prefetch
-g = torch.Generator().manual_seed(0)
-tensors = [torch.randn(*shape, generator=g) for shape in ((7, 1000), (3,), (2, 4096))]
-out = fast_prefetch.scratch(len(tensors), 3, torch.device("cpu"))
-fast_prefetch.prefetch(tensors, out)
-print("MAXERR", max(abs(float(row.sum()) - float(t.double().sum())) for row, t in zip(out, tensors)))
-try:
-    fast_prefetch.prefetch([tensors[0].t()], out)
-except ValueError as exc:
-    print("REFUSED", exc)
-"""
-
-
-def test_weight_prefetch_reads_every_element_in_interpreter() -> None:
-    """The L2 prefetch kernel (interpreter): each tensor's programs together sum all its elements
-    (sizes that are not whole blocks, more programs than blocks); a non-contiguous tensor is
-    refused, naming its shape."""
-    stdout = in_interpreter(CHECK_PREFETCH)
-    assert float(stdout.split("MAXERR")[1].split()[0]) < 1e-3
-    assert "REFUSED prefetch: tensor of shape (1000, 7) is not contiguous" in stdout
-
-
-def test_prefetch_programs_refused_below_zero() -> None:
-    with pytest.raises(ConfigError, match="prefetch_programs must be >= 0, got -1"):
-        FastEngineConfig(prefetch_programs=-1)
-
-
-def test_prefetch_is_off_without_the_triton_attention(model: LlamaForCausalLM) -> None:
-    """On the CPU (SDPA attention) a requested prefetch is off, and the step's key says so."""
-    engine = FastEngine(model, FastEngineConfig(max_batch=2, max_len=16, prefetch_programs=8), device="cpu")
-    assert engine.attention == "sdpa" and engine.prefetch == 0
-    assert engine._key(2, 16, False).prefetch == 0
+    got = json.loads(run_python(HOPPER_PTX, {"TRITON_INTERPRET": None}).strip().splitlines()[-1])
+    assert got["loads"] >= 2  # k and v pipelined

@@ -45,7 +45,7 @@ from torch import nn
 
 from megalith.common.errors import ConfigError
 from megalith.kernels import get_kernel
-from megalith_chat.engine import fast_gemm, fast_mlp, fast_ops, fast_prefetch, fast_sample
+from megalith_chat.engine import fast_gemm, fast_mlp, fast_ops, fast_sample
 from megalith_chat.engine.fast_attention import (
     Prologue,
     choose_attention,
@@ -78,7 +78,6 @@ class StepKey(NamedTuple):
     members: int  # rows per shared prompt (1: unshared)
     in_attention: bool  # the attention kernel does the QKV prologue
     gemm: ProjectionConfigs | None  # projections by :mod:`.fast_gemm` (split-K Triton); None: cuBLAS
-    prefetch: int  # programs of the weight prefetch next to each attention (:mod:`.fast_prefetch`); 0: none
 
 
 @dataclass(frozen=True)
@@ -111,10 +110,6 @@ class FastEngineConfig:
     # and down with the residual add; gate/up with 1 / rms and SwiGLU) instead of cuBLAS. Off by
     # default: an experiment until a GPU run shows it faster (README)
     fast_gemm: bool = False
-    # CUDA, Triton attention: the programs of the side-stream kernel that reads each layer's o,
-    # gate/up and down weights and the next layer's QKV weight into L2 while the attention runs
-    # (:mod:`.fast_prefetch`); 0: none
-    prefetch_programs: int = 0
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_len < 2:
@@ -123,8 +118,6 @@ class FastEngineConfig:
             raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.attention not in ("auto", "sdpa", "triton"):
             raise ConfigError(f"attention must be auto, sdpa or triton, got {self.attention!r}")
-        if self.prefetch_programs < 0:
-            raise ConfigError(f"prefetch_programs must be >= 0, got {self.prefetch_programs}")
         if self.kv_block < 1 or self.sync_every < 1:
             raise ConfigError(
                 f"need kv_block >= 1 and sync_every >= 1, got {self.kv_block}, {self.sync_every}"
@@ -167,9 +160,6 @@ class FastEngine:
         self.fused_sampling = cuda and self.config.fused_sampling
         # the split-K projections' tiles, None for cuBLAS (benchmarks change it; graphs are keyed by it)
         self.gemm = ProjectionConfigs() if cuda and self.config.fast_gemm else None
-        # the weight prefetch's programs, 0 for none (benchmarks change it; graphs are keyed by it)
-        self.prefetch = self.config.prefetch_programs if self.attention == "triton" else 0
-        self._side: torch.cuda.Stream | None = None
         # unshared steps: the attention kernel takes the prologue over (benchmarks switch it off; the
         # step's graphs are keyed by it)
         self.prologue_in_attention = self.attention == "triton" and self.fused_prologue
@@ -279,14 +269,12 @@ class FastEngine:
     def _key(self, b: int, kv_len: int, filtered: bool, members: int = 1) -> StepKey:
         """What a decode step is captured by: its arguments and the engine's switches."""
         in_attention = self.prologue_in_attention and members == 1
-        return StepKey(b, kv_len, filtered, members, in_attention, self.gemm, self.prefetch)
+        return StepKey(b, kv_len, filtered, members, in_attention, self.gemm)
 
     def _decode_body(self, key: StepKey) -> None:
         """One decode step over static buffers (the graph-captured unit; see module doc)."""
-        b, kv_len, filtered, members, in_attention, tiles, programs = key
+        b, kv_len, filtered, members, in_attention, tiles = key
         w, s, st, ops = self.weights, self.shape, self.state, self.ops
-        side = self._prefetch_stream() if programs else None
-        scratch = fast_prefetch.scratch(4, programs, self.device) if programs else None
         x, cos, sin, mask = ops.decode_prelude(
             st.tok[:b], st.slot, st.start[:b], w.embed, self._cos, self._sin, st.arange[:kv_len]
         )
@@ -306,16 +294,10 @@ class FastEngine:
                 q = rope_store_reference(
                     qkv, cos, sin, kc, vc, st.slot, s.kv_heads, s.head_dim, ops.split_rope_decode
                 )
-            if side is not None:  # this layer's o, gate/up, down and the next one's QKV weights into L2
-                ahead = [w.wo[i], w.wgu[i], w.wd[i]] + ([w.wqkv[i + 1]] if i + 1 < s.layers else [])
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    fast_prefetch.prefetch(ahead, scratch)
             if self.attention == "triton":
                 attn = decode_attention(
-                    q, kc, vc, st.start[:b], st.slot, self.scale, members=members, prompt_end=st.prompt_end,
-                    evict_kv=side is not None,
-                )  # fmt: skip
+                    q, kc, vc, st.start[:b], st.slot, self.scale, members=members, prompt_end=st.prompt_end
+                )
             else:
                 assert isinstance(q, torch.Tensor)
                 attn = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scale)
@@ -329,15 +311,7 @@ class FastEngine:
             x = self._residual(x, attn.reshape(b, -1), w.wo[i], w.bo[i])
             norm_silu_mul = fast_mlp.norm_silu_mul if self.fused_prologue else ops.norm_silu_mul
             x = self._residual(x, norm_silu_mul(F.linear(x, w.wgu[i]), x, s.eps), w.wd[i], None)
-        if side is not None:
-            torch.cuda.current_stream().wait_stream(side)
         self._emit(F.linear(ops.rms_norm(x, w.norm, s.eps), w.lm_head), b, filtered)
-
-    def _prefetch_stream(self) -> torch.cuda.Stream:
-        """The side stream of the weight prefetch (highest priority, so its programs start first)."""
-        if self._side is None:
-            self._side = torch.cuda.Stream(self.device, priority=torch.cuda.Stream.priority_range()[1])
-        return self._side
 
     def _emit(self, logits: torch.Tensor, b: int, filtered: bool) -> None:
         """Sample, mask finished rows, record token + log-prob at column ``ridx``, advance counters."""

@@ -61,7 +61,7 @@ def make_kernels() -> tuple[Any, Any]:  # noqa: PLR0915, C901  (the kernels' bod
                 G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr,
                 BN: tl.constexpr, PREC: tl.constexpr, DIRECT: tl.constexpr, PART: tl.constexpr,
                 R: tl.constexpr, BQ: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
-                HAS_BIAS: tl.constexpr, HIDDEN: tl.constexpr, EVICT_KV: tl.constexpr):  # fmt: skip
+                HAS_BIAS: tl.constexpr, HIDDEN: tl.constexpr):  # fmt: skip
         # program (R rows x key/value head, split) over PART of the slots: 0 each row's own from
         # start to slot; 1 the prompt slots start .. prompt_end - 1 that a group of R rows shares,
         # read once from its first row; 2 each row's own from prompt_end on
@@ -132,8 +132,8 @@ def make_kernels() -> tuple[Any, Any]:  # noqa: PLR0915, C901  (the kernels' bod
             n = n0 + tl.arange(0, BN)
             ok = (n >= first) & (n < hi)
             offs = base + n[:, None] * sk_t + d[None, :]
-            k = tl.load(k_ptr + offs, mask=ok[:, None], other=0.0, eviction_policy=EVICT_KV)
-            v = tl.load(v_ptr + offs, mask=ok[:, None], other=0.0, eviction_policy=EVICT_KV)
+            k = tl.load(k_ptr + offs, mask=ok[:, None], other=0.0)
+            v = tl.load(v_ptr + offs, mask=ok[:, None], other=0.0)
             z = tl.where(ok[None, :], tl.dot(q, tl.trans(k), input_precision=PREC) * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(z, axis=1))
             p = tl.exp(z - m_new[:, None])
@@ -234,7 +234,6 @@ def decode_attention(
     launch: dict[str, int] | None = None,
     members: int = 1,
     prompt_end: torch.Tensor | None = None,
-    evict_kv: bool = False,
 ) -> torch.Tensor:
     """``q [b, KV, G, D]`` (contiguous), ``k, v [b, KV, >=kv_len, D]`` (last dim contiguous, same
     strides), ``start [b]``, ``slot`` 0-d -> ``[b, KV, G, D]`` attention output (see module doc).
@@ -244,9 +243,7 @@ def decode_attention(
     views), one launch fewer per layer (not with ``members > 1``).
 
     ``target_programs``: split the key range until the grid has about this many programs;
-    ``block_n``: keys per loop step; ``launch``: Triton launch options (``num_warps``, ``num_stages``);
-    ``evict_kv``: load keys and values with the ``evict_first`` cache policy (streamed once, they then
-    leave L2 to the weights :mod:`.fast_prefetch` reads in).
+    ``block_n``: keys per loop step; ``launch``: Triton launch options (``num_warps``, ``num_stages``).
     The defaults won a sweep on the H200 (block 32/64/128 x 2/4/8 warps x 1-3 stages x 1-2 splits,
     0.37B shape, 256 cached slots of which 201 valid, repeated calls, so partly L2-resident): at
     batch 64 14.6 µs per layer against 19.9 µs for 64-key blocks with 4 warps; at batch 256 56 vs
@@ -297,7 +294,7 @@ def decode_attention(
     sk = k.stride()
     end = prompt_end if prompt_end is not None else slot
     common = dict(G=group, BG=bg, D=dim, BN=block_n, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                  EVICT_KV="evict_first" if evict_kv else "", **(LAUNCH if launch is None else launch))  # fmt: skip
+                  **(LAUNCH if launch is None else launch))  # fmt: skip
     none = dict(ROPE=False, NORM=False, HAS_BIAS=False, HIDDEN=1)
     plain = (q, q, q, q, q, 0, 0, 0, 0, 1, 0.0)  # the Prologue arguments, unused
     if shared:  # the groups' prompt slots, into split entries 0 .. first_splits - 1
