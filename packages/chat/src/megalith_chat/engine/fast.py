@@ -238,7 +238,6 @@ class FastEngine:
         mask = (causal.unsqueeze(0) & allowed).unsqueeze(1)  # pad queries attend to themselves only
         x = w.embed[ids].view(b * p, s.hidden)
         q_width, kv_width = s.heads * s.head_dim, s.kv_heads * s.head_dim
-        inter = s.intermediate
         group = s.heads // s.kv_heads
         for i in range(s.layers):
             qkv = F.linear(_rms_norm(x, self._ones, s.eps)[0], w.wqkv[i], w.bqkv[i]).view(b, p, -1)
@@ -252,8 +251,8 @@ class FastEngine:
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
             x = self._residual(x, attn.transpose(1, 2).reshape(b * p, q_width), w.wo[i], w.bo[i])
-            gate_up = F.linear(_rms_norm(x, self._ones, s.eps)[0], w.wgu[i])
-            x = self._residual(x, _swiglu(gate_up[:, :inter], gate_up[:, inter:]), w.wd[i], None)
+            gate, up = F.linear(_rms_norm(x, self._ones, s.eps)[0], w.wgu[i]).chunk(2, dim=-1)
+            x = self._residual(x, _swiglu(gate, up), w.wd[i], None)
         last = x.view(b, p, s.hidden)[:, -1]
         return F.linear(self.ops.rms_norm(last, w.norm, s.eps), w.lm_head)
 

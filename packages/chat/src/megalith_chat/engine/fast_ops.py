@@ -99,7 +99,6 @@ class Ops:
 
     rms_norm: Callable[..., torch.Tensor]
     norm_linear: Callable[..., torch.Tensor]
-    rotate: Callable[..., torch.Tensor]
     split_rope_decode: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     norm_silu_mul: Callable[..., torch.Tensor]
     decode_prelude: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -109,7 +108,7 @@ class Ops:
     def make(cls, compiled: bool) -> Ops:
         from megalith_chat.engine.sampling import sample_tokens
 
-        fns = (rms_norm, norm_linear, rotate, split_rope_decode, norm_silu_mul, decode_prelude, sample_tokens)
+        fns = (rms_norm, norm_linear, split_rope_decode, norm_silu_mul, decode_prelude, sample_tokens)
         if compiled:
             fns = tuple(torch.compile(f, dynamic=True) for f in fns)  # type: ignore[assignment]
         return cls(*fns)
