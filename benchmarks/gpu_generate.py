@@ -228,45 +228,15 @@ def triton_gemm_ab(
     batch = ids.shape[0]
     tiles = gemm_configs(args.gemm_configs, batch)
     out: dict[str, Any] = {"triton_gemm_configs": {k: str(v) for k, v in tiles._asdict().items()}}
-    runs = [("triton_gemm", tiles, 0), ("cublas_again", None, 0), ("triton_gemm_again", tiles, 0)]
-    if args.pdl:  # programmatic dependent launches (FastEngineConfig.pdl), same process
-        runs += [("triton_gemm_pdl", tiles, 1), ("triton_gemm_pdl_l2", tiles, 2), ("cublas_pdl", None, 1),
-                 ("triton_gemm_pdl_again", tiles, 1), ("triton_gemm_pdl_l2_again", tiles, 2)]  # fmt: skip
-    for name, gemm, pdl in runs:
-        engine.gemm, engine.pdl = gemm, pdl  # graphs are keyed by both: the first call captures
+    for name, gemm in (("triton_gemm", tiles), ("cublas_again", None), ("triton_gemm_again", tiles)):
+        engine.gemm = gemm  # graphs are keyed by it: the first call captures
         out[f"{name}_tokens_per_s"] = ungrouped_rate(args, engine, ids, mask, params)
     if batch == args.batches[0]:
-        for name, gemm, pdl in [("triton_gemm", tiles, 0)] + [("triton_gemm_pdl_l2", tiles, 2)] * args.pdl:
-            engine.gemm, engine.pdl = gemm, pdl
-            out[f"{name}_check"] = correctness(args, model, engine)
-            if args.profile:
-                out[f"{name}_profile"] = decode_profile(args, engine, batch)
-    if args.pdl and batch == args.batches[0]:
-        out["pdl_identical"] = pdl_identical(args, engine, ids, mask, tiles)
-    engine.gemm, engine.pdl = None, 0
+        out["triton_gemm_check"] = correctness(args, model, engine)
+        if args.profile:
+            out["triton_gemm_profile"] = decode_profile(args, engine, batch)
+    engine.gemm = None
     return out
-
-
-def pdl_identical(args: argparse.Namespace, engine: Any, ids: Any, mask: Any, tiles: Any) -> dict[str, bool]:
-    """Whether greedy tokens and their log-probs are bit for bit those without programmatic dependent
-    launches (the same kernels; only when each may start differs, so a missed wait shows here)."""
-    import torch
-
-    from megalith_chat.engine.sampling import SamplingParams
-
-    params = SamplingParams(args.new_tokens, greedy=True)
-    found = {}
-    for gemm in (tiles, None):
-        engine.gemm, engine.pdl = gemm, 0
-        ref = engine.generate(ids, mask, params)
-        for pdl in (1, 2):
-            engine.pdl = pdl
-            got = engine.generate(ids, mask, params)
-            name = f"{'triton' if gemm else 'cublas'}_pdl{pdl}"
-            found[name] = bool(
-                torch.equal(got.tokens, ref.tokens) and torch.equal(got.logprobs, ref.logprobs)
-            )
-    return found
 
 
 PROJECTION_VARIANT = {
@@ -565,12 +535,6 @@ def main() -> None:
         "qkv=..,o=..,gate_up=..,down=.. per projection, best:<gpu_decode_gemm.py result> for the fastest "
         "measured, or '' to skip (default: 64x128w4s3)",
     )
-    p.add_argument(
-        "--pdl",
-        action="store_true",
-        help="with --gemm-configs, also time 'fast' with programmatic dependent launches (FastEngineConfig.pdl "
-        "1 and 2, sm_90+) of the Triton projections and of the attention after cuBLAS ones, same process",
-    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     args.batches = [int(b) for b in (args.batches or ("2,4" if args.tiny else "64,256")).split(",")]
@@ -617,7 +581,6 @@ def run_all(args: argparse.Namespace) -> None:
         *(["--profile"] if args.profile else []),
         "--gemm-configs",
         args.gemm_configs,
-        *(["--pdl"] if args.pdl else []),
     ]
     for name in args.systems.split(","):
         cmd = [sys.executable, __file__, "--worker", name, *forwarded, *(["--tiny"] if args.tiny else [])]

@@ -644,33 +644,27 @@ from megalith_chat.engine import fast_attention
 
 partial, _ = fast_attention.make_kernels()
 names = list(inspect.signature(partial.fn).parameters)
+consts = dict(G=1, BG=16, D=64, BN=32, PREC="tf32", DIRECT=True, PART=0, R=1, BQ=16, ROPE=False,
+              NORM=False, HAS_BIAS=False, HIDDEN=1)
 def kind(n):
     if n in ("start_ptr", "slot_ptr", "pend_ptr"): return "*i64"
     if n in ("m_ptr", "l_ptr", "a_ptr"): return "*fp32"
     if n.endswith("_ptr"): return "*bf16"
     return "fp32" if n in ("scale", "eps") else "i32"
 aligned = [i for i, n in enumerate(names) if n.endswith("_ptr") or n in ("sk_b", "sk_h", "sk_t")]
+sig = {n: kind(n) for n in names if n not in consts}
 attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
-found = {}
-for pdl in (False, True):
-    consts = dict(G=1, BG=16, D=64, BN=32, PREC="tf32", DIRECT=True, PART=0, R=1, BQ=16, ROPE=False,
-                  NORM=False, HAS_BIAS=False, HIDDEN=1, PDL=pdl)
-    sig = {n: kind(n) for n in names if n not in consts}
-    src = ASTSource(partial, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, attrs)
-    text = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["ptx"]
-    found[str(pdl)] = {"loads": len(re.findall(r"cp[.]async[.][^;]*global[^;]*;", text)),
-                       "wait": len(re.findall(r"griddepcontrol[.]wait", text))}
-print(json.dumps(found))
+src = ASTSource(partial, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, attrs)
+text = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["ptx"]
+print(json.dumps({"loads": len(re.findall(r"cp[.]async[.][^;]*global[^;]*;", text))}))
 """
 
 
 def test_decode_attention_compiles_for_hopper() -> None:
     """Compiled for an H100/H200 (sm_90, no GPU needed): the decode attention's cache loads (k and
-    v) are pipelined as asynchronous copies; as a programmatic dependent launch it waits once for
-    the previous kernel."""
+    v) are pipelined as asynchronous copies."""
     pytest.importorskip("triton")
     import json
 
     got = json.loads(run_python(HOPPER_PTX, {"TRITON_INTERPRET": None}).strip().splitlines()[-1])
-    assert got["False"]["loads"] >= 2 and got["True"]["loads"] >= 2  # k and v pipelined
-    assert (got["False"]["wait"], got["True"]["wait"]) == (0, 1)
+    assert got["loads"] >= 2  # k and v pipelined

@@ -298,7 +298,6 @@ def test_bad_prompts_refused() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "needle"),
     [
-        ("pdl", 3, "pdl must be 0, 1 or 2, got 3"),
         ("attention", "flash", "got 'flash'"),
         ("kv_block", 0, "got 0"),
     ],
@@ -306,9 +305,3 @@ def test_bad_prompts_refused() -> None:
 def test_bad_engine_config_refused(field: str, value: Any, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         FastEngineConfig(**{field: value})
-
-
-def test_pdl_is_off_without_a_hopper_gpu() -> None:
-    """Programmatic dependent launches need sm_90: on the CPU the engine runs without them."""
-    engine = FastEngine(tiny(), FastEngineConfig(max_batch=2, max_len=16, pdl=2), device="cpu")
-    assert engine.pdl == 0 and engine._key(2, 16, False).pdl == 0

@@ -78,7 +78,6 @@ class StepKey(NamedTuple):
     members: int  # rows per shared prompt (1: unshared)
     in_attention: bool  # the attention kernel does the QKV prologue
     gemm: ProjectionConfigs | None  # projections by :mod:`.fast_gemm` (split-K Triton); None: cuBLAS
-    pdl: int  # programmatic dependent launches of the step's Triton kernels (0 off; see FastEngineConfig)
 
 
 @dataclass(frozen=True)
@@ -111,10 +110,6 @@ class FastEngineConfig:
     # and down with the residual add; gate/up with 1 / rms and SwiGLU) instead of cuBLAS. Off by
     # default: 5 % slower end to end on an H100 (README)
     fast_gemm: bool = False
-    # CUDA sm_90+: the decode step's attention and fast_gemm kernels as programmatic dependent
-    # launches (each starts while the previous one finishes, then waits for its writes): 0 off, 1 on,
-    # 2 on and the matmuls read their weights into L2 before they wait
-    pdl: int = 0
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_len < 2:
@@ -123,8 +118,6 @@ class FastEngineConfig:
             raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.attention not in ("auto", "sdpa", "triton"):
             raise ConfigError(f"attention must be auto, sdpa or triton, got {self.attention!r}")
-        if self.pdl not in (0, 1, 2):
-            raise ConfigError(f"pdl must be 0, 1 or 2, got {self.pdl!r}")
         if self.kv_block < 1 or self.sync_every < 1:
             raise ConfigError(
                 f"need kv_block >= 1 and sync_every >= 1, got {self.kv_block}, {self.sync_every}"
@@ -167,8 +160,6 @@ class FastEngine:
         self.fused_sampling = cuda and self.config.fused_sampling
         # the split-K projections' tiles, None for cuBLAS (benchmarks change it; graphs are keyed by it)
         self.gemm = ProjectionConfigs() if cuda and self.config.fast_gemm else None
-        # programmatic dependent launches need sm_90 (benchmarks change it; graphs are keyed by it)
-        self.pdl = self.config.pdl if cuda and torch.cuda.get_device_capability(self.device)[0] >= 9 else 0
         # unshared steps: the attention kernel takes the prologue over (benchmarks switch it off; the
         # step's graphs are keyed by it)
         self.prologue_in_attention = self.attention == "triton" and self.fused_prologue
@@ -277,18 +268,18 @@ class FastEngine:
     def _key(self, b: int, kv_len: int, filtered: bool, members: int = 1) -> StepKey:
         """What a decode step is captured by: its arguments and the engine's switches."""
         in_attention = self.prologue_in_attention and members == 1
-        return StepKey(b, kv_len, filtered, members, in_attention, self.gemm, self.pdl)
+        return StepKey(b, kv_len, filtered, members, in_attention, self.gemm)
 
     def _decode_body(self, key: StepKey) -> None:
         """One decode step over static buffers (the graph-captured unit; see module doc)."""
-        b, kv_len, filtered, members, in_attention, tiles, pdl = key
+        b, kv_len, filtered, members, in_attention, tiles = key
         w, s, st, ops = self.weights, self.shape, self.state, self.ops
         x, cos, sin, mask = ops.decode_prelude(
             st.tok[:b], st.slot, st.start[:b], w.embed, self._cos, self._sin, st.arange[:kv_len]
         )
         gemm = fast_gemm.gemm
         # the unfused QKV path (ops.norm_linear) stays on cuBLAS: its bias and 1 / rms are torch ops
-        qkv_linear = F.linear if tiles is None else partial(gemm, config=tiles.qkv, pdl=pdl)
+        qkv_linear = F.linear if tiles is None else partial(gemm, config=tiles.qkv)
         for i in range(s.layers):
             kc, vc = self.k_cache[i, :b, :, :kv_len], self.v_cache[i, :b, :, :kv_len]
             q: torch.Tensor | Prologue
@@ -303,17 +294,18 @@ class FastEngine:
                     qkv, cos, sin, kc, vc, st.slot, s.kv_heads, s.head_dim, ops.split_rope_decode
                 )
             if self.attention == "triton":
-                operands = (q, kc, vc, st.start[:b], st.slot, self.scale)
-                attn = decode_attention(*operands, members=members, prompt_end=st.prompt_end, pdl=pdl > 0)
+                attn = decode_attention(
+                    q, kc, vc, st.start[:b], st.slot, self.scale, members=members, prompt_end=st.prompt_end
+                )
             else:
                 assert isinstance(q, torch.Tensor)
                 attn = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scale)
             if tiles is not None:  # residual adds in the matmuls' epilogues; 1 / rms + SwiGLU in gate/up's
-                x = gemm(attn.reshape(b, -1), w.wo[i], "residual", out=x, config=tiles.o, pdl=pdl)
+                x = gemm(attn.reshape(b, -1), w.wo[i], "residual", out=x, config=tiles.o)
                 bias = w.bo[i]
                 x = x if bias is None else x + bias
-                h = gemm(x, w.wgu[i], "swiglu", eps=s.eps, config=tiles.gate_up, pdl=pdl)
-                gemm(h, w.wd[i], "residual", out=x, config=tiles.down, pdl=pdl)
+                h = gemm(x, w.wgu[i], "swiglu", eps=s.eps, config=tiles.gate_up)
+                gemm(h, w.wd[i], "residual", out=x, config=tiles.down)
                 continue
             x = self._residual(x, attn.reshape(b, -1), w.wo[i], w.bo[i])
             norm_silu_mul = fast_mlp.norm_silu_mul if self.fused_prologue else ops.norm_silu_mul

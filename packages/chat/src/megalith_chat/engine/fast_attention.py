@@ -54,14 +54,14 @@ def make_kernels() -> tuple[Any, Any]:  # noqa: PLR0915, C901  (the kernels' bod
 
     # arguments stay unannotated: @triton.jit reads annotations (tl.constexpr) to specialise a kernel
     @triton.jit
-    def partial(q_ptr, k_ptr, v_ptr, start_ptr, slot_ptr, m_ptr, l_ptr, a_ptr,  # type: ignore[no-untyped-def]  # noqa: PLR0915, C901
+    def partial(q_ptr, k_ptr, v_ptr, start_ptr, slot_ptr, m_ptr, l_ptr, a_ptr,  # type: ignore[no-untyped-def]  # noqa: PLR0915
                 sk_b, sk_h, sk_t, kv_heads, kv_len, split_len, num_splits, scale,
                 o_ptr, pend_ptr, split_offset,
                 qkv_ptr, x_ptr, bias_ptr, cos_ptr, sin_ptr, s_qkv, s_x, s_cos, s_sin, hidden, eps,
                 G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr,
                 BN: tl.constexpr, PREC: tl.constexpr, DIRECT: tl.constexpr, PART: tl.constexpr,
                 R: tl.constexpr, BQ: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
-                HAS_BIAS: tl.constexpr, HIDDEN: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                HAS_BIAS: tl.constexpr, HIDDEN: tl.constexpr):  # fmt: skip
         # program (R rows x key/value head, split) over PART of the slots: 0 each row's own from
         # start to slot; 1 the prompt slots start .. prompt_end - 1 that a group of R rows shares,
         # read once from its first row; 2 each row's own from prompt_end on
@@ -73,9 +73,6 @@ def make_kernels() -> tuple[Any, Any]:  # noqa: PLR0915, C901  (the kernels' bod
         if PART == 2:
             first = tl.maximum(first, tl.load(pend_ptr))
         last = tl.load(pend_ptr) - 1 if PART == 1 else tl.load(slot_ptr)
-        if PDL:  # a programmatic dependent launch: start and slot are older than the previous kernel
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         qi = tl.arange(0, BQ)
         d = tl.arange(0, D)
         live = qi < R * G
@@ -182,11 +179,7 @@ def make_kernels() -> tuple[Any, Any]:  # noqa: PLR0915, C901  (the kernels' bod
 
     @triton.jit
     def combine(m_ptr, l_ptr, a_ptr, o_ptr, num_splits,  # type: ignore[no-untyped-def]
-                G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                PDL: tl.constexpr):  # fmt: skip
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+                G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):  # fmt: skip
         bh = tl.program_id(0)
         s = tl.arange(0, BS)
         g = tl.arange(0, BG)
@@ -241,7 +234,6 @@ def decode_attention(
     launch: dict[str, int] | None = None,
     members: int = 1,
     prompt_end: torch.Tensor | None = None,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """``q [b, KV, G, D]`` (contiguous), ``k, v [b, KV, >=kv_len, D]`` (last dim contiguous, same
     strides), ``start [b]``, ``slot`` 0-d -> ``[b, KV, G, D]`` attention output (see module doc).
@@ -301,9 +293,8 @@ def decode_attention(
     out = torch.empty_like(q)
     sk = k.stride()
     end = prompt_end if prompt_end is not None else slot
-    gdc = dict(PDL=pdl, **({"launch_pdl": True} if pdl else {}))
     common = dict(G=group, BG=bg, D=dim, BN=block_n, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                  **gdc, **(LAUNCH if launch is None else launch))  # fmt: skip
+                  **(LAUNCH if launch is None else launch))  # fmt: skip
     none = dict(ROPE=False, NORM=False, HAS_BIAS=False, HIDDEN=1)
     plain = (q, q, q, q, q, 0, 0, 0, 0, 1, 0.0)  # the Prologue arguments, unused
     if shared:  # the groups' prompt slots, into split entries 0 .. first_splits - 1
@@ -329,7 +320,7 @@ def decode_attention(
     )  # fmt: skip
     if not direct:
         combine[(b * kv_heads,)](
-            m, lsum, acc, out, total, G=group, BG=bg, D=dim, BS=max(triton.next_power_of_2(total), 2), **gdc
+            m, lsum, acc, out, total, G=group, BG=bg, D=dim, BS=max(triton.next_power_of_2(total), 2)
         )
     return out
 

@@ -79,17 +79,17 @@ class ProjectionConfigs(NamedTuple):
     down: GemmConfig = GemmConfig()
 
 
-def make_kernel() -> Any:  # noqa: C901, PLR0915  (the kernel's body)
+def make_kernel() -> Any:
     """A fresh Triton kernel (reads ``TRITON_INTERPRET`` now)."""
     import triton
     import triton.language as tl
 
     # arguments stay unannotated: @triton.jit reads annotations (tl.constexpr) to specialise a kernel
     @triton.jit
-    def skinny_gemm(a_ptr, w_ptr, out_ptr, part_ptr, ssq_ptr, count_ptr,  # type: ignore[no-untyped-def]  # noqa: C901, PLR0915
+    def skinny_gemm(a_ptr, w_ptr, out_ptr, part_ptr, ssq_ptr, count_ptr,  # type: ignore[no-untyped-def]
                     M, N, K, s_am, s_wn, s_om, k_per_split, eps,
                     EPILOGUE: tl.constexpr, SPLIT: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
         tile = tl.program_id(0)
         split = tl.program_id(1)
         n_tiles = tl.cdiv(N, BN)
@@ -101,21 +101,7 @@ def make_kernel() -> Any:  # noqa: C901, PLR0915  (the kernel's body)
         acc_up = tl.zeros((BM, BN), tl.float32)  # swiglu: the up half (w rows N + n)
         ssq = tl.zeros((BM,), tl.float32)  # swiglu: sum of squares of the rows of a
         k_begin = split * k_per_split
-        k_end = tl.minimum(k_begin + k_per_split, K)
-        if PDL == 2:  # launched while the previous kernel finishes: read this program's weights into L2
-            seen = tl.zeros((BN,), tl.float32)  # only the weights, which no kernel of the step writes
-            for k0 in range(k_begin, k_end, BK):
-                k = k0 + rk
-                w_mask = n_ok[None, :] & (k < K)[:, None]
-                for half in tl.static_range(2 if EPILOGUE == 2 else 1):  # swiglu: the up rows too
-                    at = w_ptr + (rn[None, :] + half * N).to(tl.int64) * s_wn + k[:, None]
-                    seen += tl.sum(tl.load(at, mask=w_mask, other=0.0).to(tl.float32), axis=0)
-            if M < 0:  # never true; keeps the loads above from being dropped as unused
-                tl.store(part_ptr + rn, seen)
-        if PDL:
-            tl.extra.cuda.gdc_wait()  # the previous kernel's writes (a, out, partials) are visible
-            tl.extra.cuda.gdc_launch_dependents()
-        for k0 in range(k_begin, k_end, BK):
+        for k0 in range(k_begin, tl.minimum(k_begin + k_per_split, K), BK):
             k = k0 + rk
             k_ok = k < K
             a = tl.load(
@@ -217,13 +203,9 @@ def gemm(
     eps: float = 1e-6,
     config: GemmConfig | None = None,
     kernel: Any = None,
-    pdl: int = 0,
 ) -> torch.Tensor:
     """``a [M, K]`` times ``w [N, K]ᵀ`` with ``epilogue`` (module doc); ``out`` is required for
-    ``"residual"`` (updated in place and returned) and not accepted otherwise.
-
-    ``pdl`` (CUDA, sm_90+): launched as a programmatic dependent launch; its programs read their
-    weights into L2 while the previous kernel of the stream finishes, then wait for it (module doc)."""
+    ``"residual"`` (updated in place and returned) and not accepted otherwise."""
     if epilogue not in EPILOGUES:
         raise ConfigError(f"epilogue must be one of {sorted(EPILOGUES)}, got {epilogue!r}")
     if a.dim() != 2 or w.dim() != 2 or a.shape[1] != w.shape[1]:
@@ -255,7 +237,6 @@ def gemm(
     (kernel or _kernel())[(p.tiles, p.split)](
         a, w, out, partials, ssq, counters, m, n, k, a.stride(0), w.stride(0), out.stride(0),
         p.k_per_split, eps, EPILOGUE=EPILOGUES[epilogue], SPLIT=p.split, BM=p.block_m,
-        BN=config.block_n, BK=config.block_k, PDL=pdl, num_warps=config.warps, num_stages=config.stages,
-        **({"launch_pdl": True} if pdl else {}),
+        BN=config.block_n, BK=config.block_k, num_warps=config.warps, num_stages=config.stages,
     )  # fmt: skip
     return out
