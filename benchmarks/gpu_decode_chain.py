@@ -1,0 +1,128 @@
+"""The decode step's projections of 24 layers (0.37B generation shape) in one persistent launch
+against one launch per operation.
+
+Per layer: ``t = x Wqkvᵀ; x += t[:, :H] Woᵀ; s = silu(x Wgᵀ)·(x Wuᵀ); x += s Wdᵀ`` (the attention is
+left out; q stands in for its output). Variants, each captured in a CUDA graph and replayed:
+
+* ``cublas``: the chain as the engine runs it: ``F.linear`` for qkv and gate/up, ``addmm_`` with the
+  residual for o and down, and megalith's SwiGLU kernel: five launches per layer;
+* ``chain[<config>]``: :mod:`megalith_chat.engine.fast_chain`, every layer in one launch of one
+  program per SM, grid-wide barriers between the projections; ``<config>`` is the tile
+  ``<block_n>x<block_k>w<warps>s<stages>`` of every projection;
+* ``floor``: the layers' weights read once at the copy bandwidth measured in the same run.
+
+Reported: microseconds per layer (replay time / 24), the achieved weight bandwidth, and each
+chain's largest error against ``cublas`` (bf16) relative to the largest change the layers made to ``x`` and its barrier error flag.
+
+    python benchmarks/gpu_decode_chain.py                 # -> results/gpu_decode_chain_<card>.json
+    python benchmarks/gpu_decode_chain.py --rows 64 --configs 32x128w4s3,16x128w4s3
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import card, write_result
+from gpu_decode_gemm import HIDDEN, INTER, LAYERS, parse_config, time_graph
+
+CONFIGS = "32x128w4s3,16x128w4s3,32x64w4s4,64x128w4s3,32x128w8s3"
+
+
+def copy_bandwidth(gib: float = 2.0) -> float:
+    """Bytes per second of a device-to-device copy (read + write) of ``gib`` GiB."""
+    import torch
+
+    src = torch.empty(int(gib * 2**30), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default="64,32", help="comma-separated row counts, each 1-64 (default: 64,32)")
+    p.add_argument(
+        "--configs",
+        default=CONFIGS,
+        help=f"comma-separated chain tiles <block_n>x<block_k>w<warps>s<stages> (default: {CONFIGS})",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="result file (under benchmarks/results/; default gpu_decode_chain_<card>.json)",
+    )
+    args = p.parse_args()
+
+    import torch
+
+    from megalith.kernels.ops_triton import swiglu_fwd
+    from megalith_chat.engine.fast_chain import PHASES, ChainWeights, run_chain
+
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_decode_chain.py needs a CUDA GPU (the tests run the chain on the CPU)")
+    configs = {c: parse_config(c) for c in args.configs.split(",") if c}
+    kw: dict[str, Any] = {"device": "cuda", "dtype": torch.bfloat16}
+    h, i = HIDDEN, INTER
+    w = ChainWeights(
+        torch.randn(LAYERS, 3 * h, h, **kw) * 0.01,
+        torch.randn(LAYERS, h, h, **kw) * 0.01,
+        torch.randn(LAYERS, 2 * i, h, **kw) * 0.01,
+        torch.randn(LAYERS, h, i, **kw) * 0.01,
+    )
+    weight_bytes = sum(t.numel() * t.element_size() for t in (w.qkv, w.o, w.gate_up, w.down)) / LAYERS
+    bandwidth = copy_bandwidth()
+    result: dict[str, Any] = {
+        "unit": "microseconds per layer (graph replay over 24 layers / 24)",
+        "copy_bandwidth_Bps": bandwidth,
+        "weight_MB_per_layer": weight_bytes / 1e6,
+        "floor_us": weight_bytes / bandwidth * 1e6,
+        "rows": {},
+    }
+    for rows in (int(r) for r in args.rows.split(",")):
+        x0 = torch.randn(rows, h, **kw)
+        x = x0.clone()
+        t = torch.empty(rows, 3 * h, **kw)
+        gu = torch.empty(rows, 2 * i, **kw)
+
+        def cublas(x: torch.Tensor = x, t: torch.Tensor = t, gu: torch.Tensor = gu) -> None:
+            for layer in range(LAYERS):
+                torch.matmul(x, w.qkv[layer].t(), out=t)
+                x.addmm_(t[:, :h], w.o[layer].t())
+                torch.matmul(x, w.gate_up[layer].t(), out=gu)
+                x.addmm_(swiglu_fwd(gu[:, :i], gu[:, i:]), w.down[layer].t())
+
+        x.copy_(x0)
+        cublas()
+        ref = x.float().clone()
+        delta = float((ref - x0.float()).abs().max())  # errors relative to what the layers added
+        row: dict[str, Any] = {"cublas": {"us": time_graph(cublas) / LAYERS}}
+        for tag, cfg in configs.items():
+            x.copy_(x0)
+            buf = run_chain(x, w, configs=dict.fromkeys(PHASES, cfg))
+            torch.cuda.synchronize()
+            err = float((x.float() - ref).abs().max()) / delta
+            if int(buf.error):  # a barrier gave up: programs were not all resident; do not time it
+                row[f"chain[{tag}]"] = {"us": float("nan"), "max_rel_err": err, "barrier_error": 1}
+                continue
+            us = time_graph(lambda x=x, cfg=cfg: run_chain(x, w, configs=dict.fromkeys(PHASES, cfg))) / LAYERS
+            row[f"chain[{tag}]"] = {"us": us, "max_rel_err": err, "barrier_error": int(buf.error.item())}
+        for entry in row.values():
+            entry["weight_TBps"] = weight_bytes / (entry["us"] * 1e-6) / 1e12
+        result["rows"][rows] = row
+        print(rows, {k: round(v["us"], 2) for k, v in row.items()}, flush=True)
+    print("wrote", write_result(args.out or f"gpu_decode_chain_{card()}.json", result))
+
+
+if __name__ == "__main__":
+    main()

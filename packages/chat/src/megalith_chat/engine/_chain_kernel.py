@@ -1,0 +1,120 @@
+"""The Triton kernel of :mod:`.fast_chain` (imported lazily, when the chain first runs:
+``TRITON_INTERPRET`` is read at import)."""
+
+# Triton kernels take every pointer, stride and size as a separate argument.
+# ruff: noqa: PLR0913
+# mypy: disable-error-code="no-untyped-def"
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def grid_sync(bar_ptr, err_ptr, target, SPIN: tl.constexpr):
+    tl.debug_barrier()  # this program's stores are issued before it arrives
+    seen = tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu") + 1
+    spins = tl.full((), 0, tl.int32)
+    while (seen < target) & (spins < SPIN):
+        seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+        spins += 1
+    if seen < target:
+        tl.atomic_max(err_ptr, 1)
+    tl.debug_barrier()
+
+
+@triton.jit
+def phase(a_ptr, s_a, w_ptr, out_ptr, s_o, part_ptr, count_ptr, M, N, K, k_per_split,
+          pid, n_prog, EPILOGUE: tl.constexpr, SPLIT: tl.constexpr,
+          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """One projection: ``store`` (0), ``residual`` (1) or ``swiglu`` (2) of ``a wᵀ``."""
+    n_tiles = tl.cdiv(N, BN)
+    rm = tl.arange(0, BM)
+    rk = tl.arange(0, BK)
+    m_ok = rm < M
+    cell = rm[:, None] * BN + tl.arange(0, BN)[None, :]
+    parts = 2 if EPILOGUE == 2 else 1
+    for task in range(pid, n_tiles * SPLIT, n_prog):
+        tile = task % n_tiles
+        split = task // n_tiles
+        rn = tile * BN + tl.arange(0, BN)
+        n_ok = rn < N
+        acc = tl.zeros((BM, BN), tl.float32)
+        acc_up = tl.zeros((BM, BN), tl.float32)
+        k_begin = split * k_per_split
+        for k0 in range(k_begin, tl.minimum(k_begin + k_per_split, K), BK):
+            k = k0 + rk
+            k_ok = k < K
+            a = tl.load(
+                a_ptr + rm[:, None] * s_a + k[None, :],
+                mask=m_ok[:, None] & k_ok[None, :], other=0.0, cache_modifier=".cg",
+            )  # fmt: skip
+            w_mask = n_ok[None, :] & k_ok[:, None]
+            w = tl.load(w_ptr + rn[None, :].to(tl.int64) * K + k[:, None], mask=w_mask, other=0.0)
+            acc = tl.dot(a, w, acc)
+            if EPILOGUE == 2:
+                up = tl.load(w_ptr + (rn[None, :] + N).to(tl.int64) * K + k[:, None], mask=w_mask, other=0.0)
+                acc_up = tl.dot(a, up, acc_up)
+        last = True
+        if SPLIT > 1:
+            mine = (split * n_tiles + tile).to(tl.int64) * parts
+            tl.store(part_ptr + mine * BM * BN + cell, acc)
+            if EPILOGUE == 2:
+                tl.store(part_ptr + (mine + 1) * BM * BN + cell, acc_up)
+            tl.debug_barrier()
+            last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+            if last:
+                acc = tl.zeros((BM, BN), tl.float32)
+                acc_up = tl.zeros((BM, BN), tl.float32)
+                for s in tl.static_range(SPLIT):
+                    theirs = (s * n_tiles + tile).to(tl.int64) * parts
+                    acc += tl.load(part_ptr + theirs * BM * BN + cell, cache_modifier=".cg")
+                    if EPILOGUE == 2:
+                        acc_up += tl.load(part_ptr + (theirs + 1) * BM * BN + cell, cache_modifier=".cg")
+                tl.store(count_ptr + tile, 0)  # every split has counted: ready for the next layer
+        if last:
+            out_at = out_ptr + rm[:, None] * s_o + rn[None, :]
+            o_mask = m_ok[:, None] & n_ok[None, :]
+            if EPILOGUE == 1:
+                acc += tl.load(out_at, mask=o_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            if EPILOGUE == 2:
+                acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+            tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def chain(x_ptr, t_ptr, s_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, part_ptr, count_ptr,
+          bar_ptr, err_ptr, M, layers, hidden, inter,
+          KP0, KP1, KP2, KP3,
+          SP0: tl.constexpr, SP1: tl.constexpr, SP2: tl.constexpr, SP3: tl.constexpr,
+          BN0: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, BN3: tl.constexpr,
+          BM: tl.constexpr, BK: tl.constexpr, SPIN: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    c1 = count_ptr + tl.cdiv(3 * hidden, BN0)  # each projection's tile counters
+    c2 = c1 + tl.cdiv(hidden, BN1)
+    c3 = c2 + tl.cdiv(inter, BN2)
+    wq, wo, wgu, wd = wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr  # this layer's weights
+    arrived = n_prog * 0  # barrier arrivals so far, over the whole launch
+    for _ in range(layers):
+        phase(x_ptr, hidden, wq, t_ptr, 3 * hidden, part_ptr, count_ptr, M, 3 * hidden, hidden, KP0,
+              pid, n_prog, 0, SP0, BM, BN0, BK)  # fmt: skip
+        arrived += n_prog
+        grid_sync(bar_ptr, err_ptr, arrived, SPIN)
+        phase(t_ptr, 3 * hidden, wo, x_ptr, hidden, part_ptr, c1, M, hidden, hidden, KP1,
+              pid, n_prog, 1, SP1, BM, BN1, BK)  # fmt: skip
+        arrived += n_prog
+        grid_sync(bar_ptr, err_ptr, arrived, SPIN)
+        phase(x_ptr, hidden, wgu, s_ptr, inter, part_ptr, c2, M, inter, hidden, KP2,
+              pid, n_prog, 2, SP2, BM, BN2, BK)  # fmt: skip
+        arrived += n_prog
+        grid_sync(bar_ptr, err_ptr, arrived, SPIN)
+        phase(s_ptr, inter, wd, x_ptr, hidden, part_ptr, c3, M, hidden, inter, KP3,
+              pid, n_prog, 1, SP3, BM, BN3, BK)  # fmt: skip
+        arrived += n_prog
+        grid_sync(bar_ptr, err_ptr, arrived, SPIN)
+        wq += 3 * hidden * hidden
+        wo += hidden * hidden
+        wgu += 2 * inter * hidden
+        wd += hidden * inter

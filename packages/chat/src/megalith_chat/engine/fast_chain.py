@@ -1,0 +1,203 @@
+"""The decode step's projections of every layer in one persistent Triton launch (a measured
+prototype: the engine does not use it).
+
+At decode sizes each projection is a few megabytes of weights read in 4-7 µs, of which about
+3 µs are fixed cost per launch (ramp-up, tail, the gap to the next kernel in the graph;
+``benchmarks/results/gpu_decode_gemm_h100.json``). Here ``programs`` programs (one per SM) stay
+resident for the whole stack and meet at a grid-wide barrier between projections instead of
+ending a kernel: an arrival counter in global memory that each program increments (release) and
+polls (acquire) until all have arrived. Per layer, with ``x [M, H]`` the residual stream:
+
+    t = x Wqkvᵀ                      [M, 3H]
+    x += t[:, :H] Woᵀ                (the attention's place: its output stands in by q)
+    s = silu(x Wgᵀ) · (x Wuᵀ)        [M, I]   (Wgu = [Wg; Wu])
+    x += s Wdᵀ
+
+Each projection is cut as :func:`.fast_gemm.plan` cuts it (output tiles of ``block_n`` columns ×
+all rows, K split so that about one task runs per program); the last program of a tile to finish
+sums the tile's float32 partials in split order (deterministic) and applies the epilogue. Loads of
+anything written inside the launch bypass L1 (``.cg``). A barrier that waits longer than its spin
+limit (a program that never became resident) sets an error flag instead of hanging.
+
+``benchmarks/gpu_decode_chain.py`` times it against the same chain of cuBLAS launches in a CUDA
+graph. The tests run it in the Triton interpreter, where the programs run one after another, so
+only one program is launched there (every barrier is then passed at once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import torch
+
+from megalith.common.errors import ConfigError
+from megalith_chat.engine.fast_gemm import GemmConfig, Plan, plan
+
+SPIN_LIMIT = 1 << 20  # polls of one barrier before it gives up and flags an error
+PHASES = ("qkv", "o", "gate_up", "down")
+
+
+@cache
+def _kernel() -> Any:
+    from megalith_chat.engine import _chain_kernel
+
+    return _chain_kernel.chain
+
+
+@dataclass(frozen=True)
+class ChainWeights:
+    """Every layer's projection weights, stacked: ``qkv [L, 3H, H]``, ``o [L, H, H]``, ``gate_up
+    [L, 2I, H]`` (``[Wg; Wu]``) and ``down [L, H, I]``, row-major ``[N, K]`` as the engine stores them."""
+
+    qkv: torch.Tensor
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+    def __post_init__(self) -> None:
+        layers, hidden, inter = self.qkv.shape[0], self.qkv.shape[-1], self.down.shape[-1]
+        want = {
+            "qkv": (layers, 3 * hidden, hidden),
+            "o": (layers, hidden, hidden),
+            "gate_up": (layers, 2 * inter, hidden),
+            "down": (layers, hidden, inter),
+        }
+        for name, shape in want.items():
+            t = getattr(self, name)
+            if tuple(t.shape) != shape:
+                raise ConfigError(f"ChainWeights.{name}: shape {tuple(t.shape)}, expected {shape}")
+            if not t.is_contiguous() or t.dtype != self.qkv.dtype or t.device != self.qkv.device:
+                raise ConfigError(
+                    f"ChainWeights.{name}: needs a contiguous {self.qkv.dtype} tensor on {self.qkv.device}"
+                )
+
+    @property
+    def layers(self) -> int:
+        return self.qkv.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.qkv.shape[2]
+
+    @property
+    def inter(self) -> int:
+        return self.down.shape[2]
+
+    def shapes(self) -> dict[str, tuple[int, int]]:
+        """(N, K) of each projection, by phase (gate/up: N = I outputs from 2I weight rows)."""
+        h, i = self.hidden, self.inter
+        return {"qkv": (3 * h, h), "o": (h, h), "gate_up": (i, h), "down": (h, i)}
+
+
+def plans(weights: ChainWeights, rows: int, configs: dict[str, GemmConfig], programs: int) -> dict[str, Plan]:
+    """How each projection is cut for ``programs`` programs (:func:`.fast_gemm.plan`)."""
+    block_k = {c.block_k for c in configs.values()}
+    if len(block_k) != 1:
+        raise ConfigError(f"every phase needs one block_k, got {sorted(block_k)}")
+    return {name: plan(rows, n, k, configs[name], sms=programs) for name, (n, k) in weights.shapes().items()}
+
+
+@dataclass
+class ChainBuffers:
+    """Scratch of one ``(weights, rows, configs, programs)``: kept, so a CUDA graph can capture calls."""
+
+    t: torch.Tensor
+    s: torch.Tensor
+    partials: torch.Tensor
+    counters: torch.Tensor
+    sync: torch.Tensor  # [barrier arrivals, error flag], zeroed by each call
+
+    @property
+    def barrier(self) -> torch.Tensor:
+        return self.sync[0]
+
+    @property
+    def error(self) -> torch.Tensor:
+        return self.sync[1]
+
+
+_BUFFERS: dict[tuple[Any, ...], ChainBuffers] = {}
+
+
+def _buffers(weights: ChainWeights, rows: int, p: dict[str, Plan], block_n: dict[str, int]) -> ChainBuffers:
+    key = (weights.qkv.device, weights.qkv.dtype, weights.hidden, weights.inter, rows, tuple(p.items()),
+           tuple(block_n.items()))  # fmt: skip
+    if key not in _BUFFERS:
+        dev, dt = weights.qkv.device, weights.qkv.dtype
+        block_m = p["qkv"].block_m
+        partial = max(
+            (2 if name == "gate_up" else 1) * q.split * q.tiles * block_m * block_n[name]
+            for name, q in p.items()
+        )
+        _BUFFERS[key] = ChainBuffers(
+            t=torch.zeros(rows, 3 * weights.hidden, device=dev, dtype=dt),
+            s=torch.zeros(rows, weights.inter, device=dev, dtype=dt),
+            partials=torch.zeros(partial, device=dev, dtype=torch.float32),
+            counters=torch.zeros(sum(q.tiles for q in p.values()), device=dev, dtype=torch.int32),
+            sync=torch.zeros(2, device=dev, dtype=torch.int32),
+        )
+    return _BUFFERS[key]
+
+
+def default_configs() -> dict[str, GemmConfig]:
+    return dict.fromkeys(PHASES, GemmConfig(block_n=32, block_k=128))
+
+
+def run_chain(
+    x: torch.Tensor,
+    weights: ChainWeights,
+    programs: int | None = None,
+    configs: dict[str, GemmConfig] | None = None,
+    kernel: Any = None,
+) -> ChainBuffers:
+    """Run every layer's chain on ``x [M, H]`` in place (module doc) in one launch of ``programs``
+    programs (default: one per SM; 1 in the interpreter). Returns the scratch buffers, whose
+    ``error`` is 1 if a barrier gave up waiting (then ``x`` is not to be trusted)."""
+    if x.dim() != 2 or x.shape[1] != weights.hidden or not x.is_contiguous():
+        raise ConfigError(f"x must be contiguous [M, {weights.hidden}], got {tuple(x.shape)}")
+    if x.dtype != weights.qkv.dtype or x.device != weights.qkv.device:
+        raise ConfigError(
+            f"x is {x.dtype} on {x.device}, the weights {weights.qkv.dtype} on {weights.qkv.device}"
+        )
+    rows = x.shape[0]
+    if not 1 <= rows <= 64:
+        raise ConfigError(f"the chain takes 1-64 rows (one row tile), got {rows}")
+    configs = {**default_configs(), **(configs or {})}
+    if set(configs) != set(PHASES):
+        raise ConfigError(f"configs are keyed by {PHASES}, got {sorted(configs)}")
+    if programs is None:
+        programs = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+    if programs < 1:
+        raise ConfigError(f"programs must be >= 1, got {programs}")
+    p = plans(weights, rows, configs, programs)
+    block_n = {name: c.block_n for name, c in configs.items()}
+    buf = _buffers(weights, rows, p, block_n)
+    buf.sync.zero_()
+    q, o, gu, d = (p[n] for n in PHASES)
+    (kernel or _kernel())[(programs,)](
+        x, buf.t, buf.s, weights.qkv, weights.o, weights.gate_up, weights.down, buf.partials,
+        buf.counters, buf.sync, buf.sync[1:], rows, weights.layers, weights.hidden, weights.inter,
+        q.k_per_split, o.k_per_split, gu.k_per_split, d.k_per_split,
+        SP0=q.split, SP1=o.split, SP2=gu.split, SP3=d.split,
+        BN0=block_n["qkv"], BN1=block_n["o"], BN2=block_n["gate_up"], BN3=block_n["down"],
+        BM=q.block_m, BK=configs["qkv"].block_k, SPIN=SPIN_LIMIT,
+        num_warps=configs["qkv"].warps, num_stages=configs["qkv"].stages,
+    )  # fmt: skip
+    return buf
+
+
+def reference_chain(x: torch.Tensor, weights: ChainWeights) -> torch.Tensor:
+    """The same chain in torch, one op after another (a new tensor; ``x`` is left alone)."""
+    import torch.nn.functional as F
+
+    x = x.clone()
+    h, i = weights.hidden, weights.inter
+    for layer in range(weights.layers):
+        t = F.linear(x, weights.qkv[layer])
+        x = x + F.linear(t[:, :h], weights.o[layer])
+        gu = F.linear(x, weights.gate_up[layer])
+        s = F.silu(gu[:, :i]) * gu[:, i:]
+        x = x + F.linear(s, weights.down[layer])
+    return x

@@ -1,0 +1,120 @@
+"""The persistent decode-projection chain (``fast_chain``) against torch in the Triton interpreter,
+compiled for sm_90, and its bad-input errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megalith.common.errors import ConfigError
+from megalith.testing import run_python
+from megalith_chat.engine.fast_chain import ChainWeights, run_chain
+from megalith_chat.engine.fast_gemm import GemmConfig
+
+
+def _python(script: str, interpret: bool) -> str:
+    """The last stdout line of ``script`` in a fresh interpreter, the Triton interpreter on or off."""
+    pytest.importorskip("triton")
+    out = run_python(script, {"TRITON_INTERPRET": "1" if interpret else None}, timeout=600)
+    return out.strip().splitlines()[-1]
+
+
+CHECK = """
+import json, torch
+from megalith_chat.engine.fast_chain import PHASES, ChainWeights, reference_chain, run_chain
+from megalith_chat.engine.fast_gemm import GemmConfig
+g = torch.Generator().manual_seed(0)
+rnd = lambda *s: torch.randn(*s, generator=g) * 0.3
+L, H, I = 3, 32, 40  # I not a multiple of block_n: partial tiles in gate/up and down's K
+w = ChainWeights(rnd(L, 3 * H, H), rnd(L, H, H), rnd(L, 2 * I, H), rnd(L, H, I))
+split = {"qkv": GemmConfig(16, 16, split=3), "o": GemmConfig(16, 16, split=2),
+         "gate_up": GemmConfig(16, 16, split=2), "down": GemmConfig(16, 16, split=3)}
+out = []
+for rows, configs in [(5, None), (1, None), (7, split), (64, dict.fromkeys(PHASES, GemmConfig(32, 32)))]:
+    x = rnd(rows, H)
+    ref = reference_chain(x, w)
+    for _ in range(2):  # tile counters are reset by the last split of each tile
+        y = x.clone()
+        buf = run_chain(y, w, configs=configs)
+        out.append({"err": float((y - ref).abs().max() / (ref - x).abs().max()),
+                    "flag": int(buf.error), "barrier": int(buf.barrier), "counters": int(buf.counters.sum())})
+print(json.dumps(out))
+"""
+
+
+def test_chain_matches_torch_in_interpreter() -> None:
+    for got in json.loads(_python(CHECK, interpret=True)):
+        assert got["err"] < 1e-5, got
+        assert got["flag"] == 0 and got["counters"] == 0, got
+        assert got["barrier"] == 3 * 4  # one arrival (one program) at each of 4 barriers per layer
+
+
+HOPPER = """
+import inspect, json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from megalith_chat.engine import _chain_kernel
+kernel = _chain_kernel.chain
+names = list(inspect.signature(kernel.fn).parameters)
+def kind(n):
+    if n == "part_ptr": return "*fp32"
+    if n in ("count_ptr", "bar_ptr", "err_ptr"): return "*i32"
+    return "*bf16" if n.endswith("_ptr") else "i32"
+found = {}
+for split in (1, 4):
+    consts = dict(SP0=1, SP1=split, SP2=1, SP3=split, BN0=32, BN1=32, BN2=32, BN3=32, BM=64, BK=128, SPIN=1 << 20)
+    sig = {n: kind(n) for n in names if n not in consts}
+    aligned = [i for i, n in enumerate(names) if n.endswith("_ptr") or n in ("hidden", "inter", "KP0", "KP1", "KP2", "KP3")]
+    src = ASTSource(kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts,
+                    {(i,): [["tt.divisibility", 16]] for i in aligned})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
+    found[split] = {
+        "arrive": len(re.findall(r"atom[.]global[.]gpu[.]release[.]add", ptx)),
+        "poll": len(re.findall(r"ld[.]global[.]gpu[.]acquire", ptx)),
+        "tile_count": len(re.findall(r"atom[.]global[.]gpu[.]acq_rel[.]add", ptx)),
+        "wgmma": len(re.findall(r"wgmma[.]mma_async", ptx)),
+    }
+print(json.dumps(found))
+"""
+
+
+def test_chain_compiles_for_hopper() -> None:
+    """Compiled for sm_90 (no GPU needed): four barriers per layer, each a release arrival and an
+    acquire poll; tile counters (acquire-release) only in the projections whose K is split."""
+    found = json.loads(_python(HOPPER, interpret=False))
+    assert found["1"]["arrive"] == 4 and found["1"]["poll"] == 4, found
+    assert found["1"]["tile_count"] == 0 and found["4"]["tile_count"] == 2, found
+    assert found["1"]["wgmma"] > 0, found
+
+
+def _weights(layers: int = 2, hidden: int = 8, inter: int = 12) -> ChainWeights:
+    z = torch.zeros
+    return ChainWeights(
+        z(layers, 3 * hidden, hidden),
+        z(layers, hidden, hidden),
+        z(layers, 2 * inter, hidden),
+        z(layers, hidden, inter),
+    )
+
+
+def test_bad_input_is_refused() -> None:
+    w = _weights()
+    with pytest.raises(ConfigError, match=r"ChainWeights.o: shape \(2, 8, 9\), expected \(2, 8, 8\)"):
+        ChainWeights(w.qkv, torch.zeros(2, 8, 9), w.gate_up, w.down)
+    with pytest.raises(ConfigError, match="ChainWeights.down: needs a contiguous torch.float32"):
+        ChainWeights(w.qkv, w.o, w.gate_up, torch.zeros(2, 12, 8).transpose(1, 2))
+    with pytest.raises(ConfigError, match=r"x must be contiguous \[M, 8\], got \(3, 7\)"):
+        run_chain(torch.zeros(3, 7), w)
+    with pytest.raises(ConfigError, match="takes 1-64 rows"):
+        run_chain(torch.zeros(65, 8), w)
+    with pytest.raises(ConfigError, match="x is torch.bfloat16"):
+        run_chain(torch.zeros(3, 8, dtype=torch.bfloat16), w)
+    with pytest.raises(ConfigError, match="one block_k"):
+        run_chain(torch.zeros(3, 8), w, configs={"o": GemmConfig(block_k=64)})
+    with pytest.raises(ConfigError, match="configs are keyed by"):
+        run_chain(torch.zeros(3, 8), w, configs={"attn": GemmConfig()})
+    with pytest.raises(ConfigError, match="programs must be >= 1, got 0"):
+        run_chain(torch.zeros(3, 8), w, programs=0)
