@@ -6,9 +6,10 @@ left out; q stands in for its output). Variants, each captured in a CUDA graph a
 
 * ``cublas``: the chain as the engine runs it: ``F.linear`` for qkv and gate/up, ``addmm_`` with the
   residual for o and down, and megalith's SwiGLU kernel: five launches per layer;
-* ``chain[<config>]``: :mod:`megalith_chat.engine.fast_chain`, every layer in one launch of one
-  program per SM, grid-wide barriers between the projections; ``<config>`` is the tile
-  ``<block_n>x<block_k>w<warps>s<stages>`` of every projection;
+* ``chain[<config>,p<mode>]``: :mod:`megalith_chat.engine.fast_chain`, every layer in one launch
+  of one program per SM, grid-wide barriers between the projections; ``<config>`` is the tile
+  ``<block_n>x<block_k>w<warps>s<stages>`` of every projection, ``<mode>`` its L2 prefetch of the
+  next projection's weights (0 none, 1 before each barrier, 2 as each projection starts);
 * ``floor``: the layers' weights read once at the copy bandwidth measured in the same run.
 
 Reported: microseconds per layer (replay time / 24), the achieved weight bandwidth, and each
@@ -21,6 +22,8 @@ chain's largest error against ``cublas`` (bf16) relative to the largest change t
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import card, write_result
 from gpu_decode_gemm import HIDDEN, INTER, LAYERS, parse_config, time_graph
 
-CONFIGS = "32x128w4s3,16x128w4s3,32x64w4s4,64x128w4s3,32x128w8s3"
+CONFIGS = "32x128w4s3,32x128w4s5,32x256w4s3,16x128w4s4"
 
 
 def copy_bandwidth(gib: float = 2.0) -> float:
@@ -58,6 +61,9 @@ def main() -> None:
         help=f"comma-separated chain tiles <block_n>x<block_k>w<warps>s<stages> (default: {CONFIGS})",
     )
     p.add_argument(
+        "--prefetch", default="0,1,2", help="comma-separated prefetch modes of each chain (default: 0,1,2)"
+    )
+    p.add_argument(
         "--out",
         default=None,
         help="result file (under benchmarks/results/; default gpu_decode_chain_<card>.json)",
@@ -72,6 +78,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("gpu_decode_chain.py needs a CUDA GPU (the tests run the chain on the CPU)")
     configs = {c: parse_config(c) for c in args.configs.split(",") if c}
+    modes = [int(m) for m in args.prefetch.split(",") if m]
     kw: dict[str, Any] = {"device": "cuda", "dtype": torch.bfloat16}
     h, i = HIDDEN, INTER
     w = ChainWeights(
@@ -107,15 +114,17 @@ def main() -> None:
         ref = x.float().clone()
         delta = float((ref - x0.float()).abs().max())  # errors relative to what the layers added
         row: dict[str, Any] = {"cublas": {"us": time_graph(cublas) / LAYERS}}
-        for tag, cfg in configs.items():
+        for (tag, cfg), mode in itertools.product(configs.items(), modes):
+            tag = f"{tag},p{mode}"
+            run = functools.partial(run_chain, x, w, configs=dict.fromkeys(PHASES, cfg), prefetch=mode)
             x.copy_(x0)
-            buf = run_chain(x, w, configs=dict.fromkeys(PHASES, cfg))
+            buf = run()
             torch.cuda.synchronize()
             err = float((x.float() - ref).abs().max()) / delta
             if int(buf.error):  # a barrier gave up: programs were not all resident; do not time it
                 row[f"chain[{tag}]"] = {"us": float("nan"), "max_rel_err": err, "barrier_error": 1}
                 continue
-            us = time_graph(lambda x=x, cfg=cfg: run_chain(x, w, configs=dict.fromkeys(PHASES, cfg))) / LAYERS
+            us = time_graph(run) / LAYERS
             row[f"chain[{tag}]"] = {"us": us, "max_rel_err": err, "barrier_error": int(buf.error.item())}
         for entry in row.values():
             entry["weight_TBps"] = weight_bytes / (entry["us"] * 1e-6) / 1e12

@@ -64,18 +64,20 @@ def kind(n):
     if n in ("count_ptr", "bar_ptr", "err_ptr"): return "*i32"
     return "*bf16" if n.endswith("_ptr") else "i32"
 found = {}
-for split in (1, 4):
-    consts = dict(SP0=1, SP1=split, SP2=1, SP3=split, BN0=32, BN1=32, BN2=32, BN3=32, BM=64, BK=128, SPIN=1 << 20)
+for split, prefetch in ((1, 0), (4, 0), (4, 2)):
+    consts = dict(SP0=1, SP1=split, SP2=1, SP3=split, BN0=32, BN1=32, BN2=32, BN3=32, BM=64, BK=128,
+                  SPIN=1 << 20, PREFETCH=prefetch)
     sig = {n: kind(n) for n in names if n not in consts}
     aligned = [i for i, n in enumerate(names) if n.endswith("_ptr") or n in ("hidden", "inter", "KP0", "KP1", "KP2", "KP3")]
     src = ASTSource(kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts,
                     {(i,): [["tt.divisibility", 16]] for i in aligned})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
-    found[split] = {
+    found[f"{split}/{prefetch}"] = {
         "arrive": len(re.findall(r"atom[.]global[.]gpu[.]release[.]add", ptx)),
         "poll": len(re.findall(r"ld[.]global[.]gpu[.]acquire", ptx)),
         "tile_count": len(re.findall(r"atom[.]global[.]gpu[.]acq_rel[.]add", ptx)),
         "wgmma": len(re.findall(r"wgmma[.]mma_async", ptx)),
+        "prefetch": len(re.findall(r"cp[.]async[.]bulk[.]prefetch[.]L2[.]global", ptx)),
     }
 print(json.dumps(found))
 """
@@ -83,11 +85,13 @@ print(json.dumps(found))
 
 def test_chain_compiles_for_hopper() -> None:
     """Compiled for sm_90 (no GPU needed): four barriers per layer, each a release arrival and an
-    acquire poll; tile counters (acquire-release) only in the projections whose K is split."""
+    acquire poll; tile counters (acquire-release) only in the projections whose K is split; bulk L2
+    prefetches (gate/up: both halves) only with ``prefetch``."""
     found = json.loads(_python(HOPPER, interpret=False))
-    assert found["1"]["arrive"] == 4 and found["1"]["poll"] == 4, found
-    assert found["1"]["tile_count"] == 0 and found["4"]["tile_count"] == 2, found
-    assert found["1"]["wgmma"] > 0, found
+    assert found["1/0"]["arrive"] == 4 and found["1/0"]["poll"] == 4, found
+    assert found["1/0"]["tile_count"] == 0 and found["4/0"]["tile_count"] == 2, found
+    assert found["1/0"]["wgmma"] > 0, found
+    assert found["4/0"]["prefetch"] == 0 and found["4/2"]["prefetch"] == 5, found
 
 
 def _weights(layers: int = 2, hidden: int = 8, inter: int = 12) -> ChainWeights:
@@ -116,5 +120,9 @@ def test_bad_input_is_refused() -> None:
         run_chain(torch.zeros(3, 8), w, configs={"o": GemmConfig(block_k=64)})
     with pytest.raises(ConfigError, match="configs are keyed by"):
         run_chain(torch.zeros(3, 8), w, configs={"attn": GemmConfig()})
+    with pytest.raises(ConfigError, match="prefetch must be 0, 1 or 2, got 3"):
+        run_chain(torch.zeros(3, 8), w, prefetch=3)
+    with pytest.raises(ConfigError, match="prefetch needs bf16 weights on a CUDA device"):
+        run_chain(torch.zeros(3, 8), w, prefetch=1)
     with pytest.raises(ConfigError, match="programs must be >= 1, got 0"):
         run_chain(torch.zeros(3, 8), w, programs=0)

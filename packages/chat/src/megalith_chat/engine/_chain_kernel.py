@@ -84,12 +84,32 @@ def phase(a_ptr, s_a, w_ptr, out_ptr, s_o, part_ptr, count_ptr, M, N, K, k_per_s
 
 
 @triton.jit
+def prefetch(w_ptr, N, K, k_per_split, pid, n_prog, SPLIT: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr):
+    """Ask L2 for the weight rows of this program's tasks of a projection (``phase``'s cut; with
+    ``UP`` also the up half), one bulk prefetch per row range: fire and forget, nothing waits on it."""
+    n_tiles = tl.cdiv(N, BN)
+    for task in range(pid, n_tiles * SPLIT, n_prog):
+        tile = task % n_tiles
+        k0 = (task // n_tiles) * k_per_split
+        rn = tile * BN + tl.arange(0, BN)
+        rows = tl.where(rn < N, rn, 0).to(tl.int64)
+        nbytes = tl.full((BN,), 0, tl.int32) + tl.minimum(k_per_split, K - k0) * 2  # bf16
+        for half in tl.static_range(2 if UP else 1):
+            tl.inline_asm_elementwise(
+                "mov.b32 $0, 0; cp.async.bulk.prefetch.L2.global [$1], $2;", "=r,l,r",
+                [w_ptr + (rows + half * N) * K + k0, nbytes], dtype=tl.int32, is_pure=False, pack=1,
+            )  # fmt: skip
+
+
+@triton.jit
 def chain(x_ptr, t_ptr, s_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, part_ptr, count_ptr,
           bar_ptr, err_ptr, M, layers, hidden, inter,
           KP0, KP1, KP2, KP3,
           SP0: tl.constexpr, SP1: tl.constexpr, SP2: tl.constexpr, SP3: tl.constexpr,
           BN0: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, BN3: tl.constexpr,
-          BM: tl.constexpr, BK: tl.constexpr, SPIN: tl.constexpr):  # fmt: skip
+          BM: tl.constexpr, BK: tl.constexpr, SPIN: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
+    """PREFETCH: 0 none; 1 a program asks L2 for its next projection's weights once its own tasks
+    of this one are done (before the barrier); 2 as this projection starts."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     c1 = count_ptr + tl.cdiv(3 * hidden, BN0)  # each projection's tile counters
@@ -97,24 +117,41 @@ def chain(x_ptr, t_ptr, s_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, part_ptr, coun
     c3 = c2 + tl.cdiv(inter, BN2)
     wq, wo, wgu, wd = wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr  # this layer's weights
     arrived = n_prog * 0  # barrier arrivals so far, over the whole launch
-    for _ in range(layers):
+    for layer in range(layers):
+        if PREFETCH == 2:
+            prefetch(wo, hidden, hidden, KP1, pid, n_prog, SP1, BN1, False)
         phase(x_ptr, hidden, wq, t_ptr, 3 * hidden, part_ptr, count_ptr, M, 3 * hidden, hidden, KP0,
               pid, n_prog, 0, SP0, BM, BN0, BK)  # fmt: skip
+        if PREFETCH == 1:
+            prefetch(wo, hidden, hidden, KP1, pid, n_prog, SP1, BN1, False)
         arrived += n_prog
         grid_sync(bar_ptr, err_ptr, arrived, SPIN)
+        if PREFETCH == 2:
+            prefetch(wgu, inter, hidden, KP2, pid, n_prog, SP2, BN2, True)
         phase(t_ptr, 3 * hidden, wo, x_ptr, hidden, part_ptr, c1, M, hidden, hidden, KP1,
               pid, n_prog, 1, SP1, BM, BN1, BK)  # fmt: skip
+        if PREFETCH == 1:
+            prefetch(wgu, inter, hidden, KP2, pid, n_prog, SP2, BN2, True)
         arrived += n_prog
         grid_sync(bar_ptr, err_ptr, arrived, SPIN)
+        if PREFETCH == 2:
+            prefetch(wd, hidden, inter, KP3, pid, n_prog, SP3, BN3, False)
         phase(x_ptr, hidden, wgu, s_ptr, inter, part_ptr, c2, M, inter, hidden, KP2,
               pid, n_prog, 2, SP2, BM, BN2, BK)  # fmt: skip
+        if PREFETCH == 1:
+            prefetch(wd, hidden, inter, KP3, pid, n_prog, SP3, BN3, False)
         arrived += n_prog
         grid_sync(bar_ptr, err_ptr, arrived, SPIN)
+        next_q = wq + 3 * hidden * hidden
+        if PREFETCH == 2 and layer + 1 < layers:
+            prefetch(next_q, 3 * hidden, hidden, KP0, pid, n_prog, SP0, BN0, False)
         phase(s_ptr, inter, wd, x_ptr, hidden, part_ptr, c3, M, hidden, inter, KP3,
               pid, n_prog, 1, SP3, BM, BN3, BK)  # fmt: skip
+        if PREFETCH == 1 and layer + 1 < layers:
+            prefetch(next_q, 3 * hidden, hidden, KP0, pid, n_prog, SP0, BN0, False)
         arrived += n_prog
         grid_sync(bar_ptr, err_ptr, arrived, SPIN)
-        wq += 3 * hidden * hidden
+        wq = next_q
         wo += hidden * hidden
         wgu += 2 * inter * hidden
         wd += hidden * inter

@@ -150,11 +150,16 @@ def run_chain(
     weights: ChainWeights,
     programs: int | None = None,
     configs: dict[str, GemmConfig] | None = None,
+    prefetch: int = 0,
     kernel: Any = None,
 ) -> ChainBuffers:
     """Run every layer's chain on ``x [M, H]`` in place (module doc) in one launch of ``programs``
     programs (default: one per SM; 1 in the interpreter). Returns the scratch buffers, whose
-    ``error`` is 1 if a barrier gave up waiting (then ``x`` is not to be trusted)."""
+    ``error`` is 1 if a barrier gave up waiting (then ``x`` is not to be trusted).
+
+    ``prefetch`` (CUDA only): 0 none; 1 each program asks L2 for its weights of the next
+    projection when its tasks of the current one are done, before the barrier; 2 when the current
+    one starts (Hopper bulk prefetches; needs K·2 bytes a multiple of 16)."""
     if x.dim() != 2 or x.shape[1] != weights.hidden or not x.is_contiguous():
         raise ConfigError(f"x must be contiguous [M, {weights.hidden}], got {tuple(x.shape)}")
     if x.dtype != weights.qkv.dtype or x.device != weights.qkv.device:
@@ -169,6 +174,10 @@ def run_chain(
         raise ConfigError(f"configs are keyed by {PHASES}, got {sorted(configs)}")
     if programs is None:
         programs = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+    if prefetch not in (0, 1, 2):
+        raise ConfigError(f"prefetch must be 0, 1 or 2, got {prefetch}")
+    if prefetch and (not x.is_cuda or x.dtype != torch.bfloat16 or weights.hidden % 8 or weights.inter % 8):
+        raise ConfigError("prefetch needs bf16 weights on a CUDA device with hidden and inter multiples of 8")
     if programs < 1:
         raise ConfigError(f"programs must be >= 1, got {programs}")
     p = plans(weights, rows, configs, programs)
@@ -182,7 +191,7 @@ def run_chain(
         q.k_per_split, o.k_per_split, gu.k_per_split, d.k_per_split,
         SP0=q.split, SP1=o.split, SP2=gu.split, SP3=d.split,
         BN0=block_n["qkv"], BN1=block_n["o"], BN2=block_n["gate_up"], BN3=block_n["down"],
-        BM=q.block_m, BK=configs["qkv"].block_k, SPIN=SPIN_LIMIT,
+        BM=q.block_m, BK=configs["qkv"].block_k, SPIN=SPIN_LIMIT, PREFETCH=prefetch,
         num_warps=configs["qkv"].warps, num_stages=configs["qkv"].stages,
     )  # fmt: skip
     return buf
