@@ -10,6 +10,8 @@ left out; q stands in for its output). Variants, each captured in a CUDA graph a
   of one program per SM, grid-wide barriers between the projections; ``<config>`` is the tile
   ``<block_n>x<block_k>w<warps>s<stages>`` of every projection, ``<mode>`` its L2 prefetch of the
   next projection's weights (0 none, 1 before each barrier, 2 as each projection starts);
+* ``barriers[<config>]``: the same launch over 24 layers of hidden = inter = 64 (a few KB of
+  weights): what the 96 barriers and the projections' fixed costs take without the streaming;
 * ``floor``: the layers' weights read once at the copy bandwidth measured in the same run.
 
 Reported: microseconds per layer (replay time / 24), the achieved weight bandwidth, and each
@@ -126,8 +128,17 @@ def main() -> None:
                 continue
             us = time_graph(run) / LAYERS
             row[f"chain[{tag}]"] = {"us": us, "max_rel_err": err, "barrier_error": int(buf.error.item())}
-        for entry in row.values():
-            entry["weight_TBps"] = weight_bytes / (entry["us"] * 1e-6) / 1e12
+        tiny = ChainWeights(
+            *(torch.randn(LAYERS, n, k, **kw) * 0.01 for n, k in ((192, 64), (64, 64), (128, 64), (64, 64)))
+        )
+        xt = torch.randn(rows, 64, **kw)
+        for tag, cfg in configs.items():
+            run = functools.partial(run_chain, xt, tiny, configs=dict.fromkeys(PHASES, cfg))
+            if not int(run().error):
+                row[f"barriers[{tag}]"] = {"us": time_graph(run) / LAYERS}
+        for name, entry in row.items():
+            if not name.startswith("barriers"):
+                entry["weight_TBps"] = weight_bytes / (entry["us"] * 1e-6) / 1e12
         result["rows"][rows] = row
         print(rows, {k: round(v["us"], 2) for k, v in row.items()}, flush=True)
     print("wrote", write_result(args.out or f"gpu_decode_chain_{card()}.json", result))

@@ -26,6 +26,7 @@ only one program is launched there (every barrier is then passed at once).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -92,11 +93,20 @@ class ChainWeights:
 
 
 def plans(weights: ChainWeights, rows: int, configs: dict[str, GemmConfig], programs: int) -> dict[str, Plan]:
-    """How each projection is cut for ``programs`` programs (:func:`.fast_gemm.plan`)."""
+    """How each projection is cut for ``programs`` programs (:func:`.fast_gemm.plan`). Unless a
+    config fixes ``split``, K is split as far as one round of tasks allows (tiles × split ≤
+    programs): a second round would take as long as the first, whatever its size."""
     block_k = {c.block_k for c in configs.values()}
     if len(block_k) != 1:
         raise ConfigError(f"every phase needs one block_k, got {sorted(block_k)}")
-    return {name: plan(rows, n, k, configs[name], sms=programs) for name, (n, k) in weights.shapes().items()}
+    out = {}
+    for name, (n, k) in weights.shapes().items():
+        cfg = configs[name]
+        if cfg.split is None:
+            tiles = -(-rows // 64) * -(-n // cfg.block_n)
+            cfg = dataclasses.replace(cfg, split=max(1, programs // tiles))
+        out[name] = plan(rows, n, k, cfg, sms=programs)
+    return out
 
 
 @dataclass
