@@ -84,20 +84,32 @@ def phase(a_ptr, s_a, w_ptr, out_ptr, s_o, part_ptr, count_ptr, M, N, K, k_per_s
 
 
 @triton.jit
-def prefetch(w_ptr, N, K, k_per_split, pid, n_prog, SPLIT: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr):
+def prefetch(w_ptr, N, K, k_per_split, pid, n_prog, SPLIT: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr,
+             PIECES: tl.constexpr = 8):  # fmt: skip
     """Ask L2 for the weight rows of this program's tasks of a projection (``phase``'s cut; with
-    ``UP`` also the up half), one bulk prefetch per row range: fire and forget, nothing waits on it."""
+    ``UP`` also the up half): each row's range in ``PIECES`` bulk prefetches, so that the
+    ``[BN, PIECES]`` requests spread over the threads instead of repeating on every warp. Fire and
+    forget: nothing waits on them."""
     n_tiles = tl.cdiv(N, BN)
+    piece = tl.arange(0, PIECES)
     for task in range(pid, n_tiles * SPLIT, n_prog):
         tile = task % n_tiles
         k0 = (task // n_tiles) * k_per_split
+        k_len = tl.minimum(k_per_split, K - k0)
+        chunk = tl.cdiv(k_len, PIECES * 8) * 8  # elements per piece: 16-byte multiples (bf16)
+        start = piece * chunk
+        size = tl.minimum(tl.maximum(k_len - start, 0), chunk)
+        live = size > 0
+        start = tl.where(live, start, 0)  # a piece past the range asks for the first one again
+        size = tl.where(live, size, tl.minimum(chunk, k_len))
         rn = tile * BN + tl.arange(0, BN)
         rows = tl.where(rn < N, rn, 0).to(tl.int64)
-        nbytes = tl.full((BN,), 0, tl.int32) + tl.minimum(k_per_split, K - k0) * 2  # bf16
+        nbytes = tl.broadcast_to(size[None, :] * 2, (BN, PIECES))
         for half in tl.static_range(2 if UP else 1):
             tl.inline_asm_elementwise(
                 "mov.b32 $0, 0; cp.async.bulk.prefetch.L2.global [$1], $2;", "=r,l,r",
-                [w_ptr + (rows + half * N) * K + k0, nbytes], dtype=tl.int32, is_pure=False, pack=1,
+                [w_ptr + (rows[:, None] + half * N) * K + k0 + start[None, :], nbytes],
+                dtype=tl.int32, is_pure=False, pack=1,
             )  # fmt: skip
 
 
