@@ -8,8 +8,8 @@ left out; q stands in for its output). Variants, each captured in a CUDA graph a
   residual for o and down, and megalith's SwiGLU kernel: five launches per layer;
 * ``chain[<config>,p<mode>]``: :mod:`megalith_chat.engine.fast_chain`, every layer in one launch
   of one program per SM, grid-wide barriers between the projections; ``<config>`` is the tile
-  ``<block_n>x<block_k>w<warps>s<stages>`` of every projection, ``<mode>`` its L2 prefetch of the
-  next projection's weights (0 none, 1 before each barrier, 2 as each projection starts);
+  ``<block_n>x<block_k>w<warps>s<stages>`` of every projection, ``<mode>`` how many projections
+  ahead each program asks L2 for its weights as a projection starts (0 none, 4 = one layer ahead);
 * ``barriers[<config>]``: the same launch over 24 layers of hidden = inter = 64 (a few KB of
   weights): what the 96 barriers and the projections' fixed costs take without the streaming;
 * ``floor``: the layers' weights read once at the copy bandwidth measured in the same run.

@@ -114,14 +114,36 @@ def prefetch(w_ptr, N, K, k_per_split, pid, n_prog, SPLIT: tl.constexpr, BN: tl.
 
 
 @triton.jit
+def prefetch_ahead(P: tl.constexpr, D: tl.constexpr, layer, layers, wq, wo, wgu, wd, hidden, inter,
+                   KP0, KP1, KP2, KP3, pid, n_prog,
+                   SP0: tl.constexpr, SP1: tl.constexpr, SP2: tl.constexpr, SP3: tl.constexpr,
+                   BN0: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, BN3: tl.constexpr):  # fmt: skip
+    """As projection P (0 qkv, 1 o, 2 gate/up, 3 down) of ``layer`` starts: prefetch this
+    program's weights of the projection D ahead (possibly in a later layer), if there is one."""
+    if D > 0:
+        ahead = (P + D) // 4  # layers ahead
+        if layer + ahead < layers:
+            if (P + D) % 4 == 0:
+                prefetch(
+                    wq + ahead * 3 * hidden * hidden, 3 * hidden, hidden, KP0, pid, n_prog, SP0, BN0, False
+                )
+            if (P + D) % 4 == 1:
+                prefetch(wo + ahead * hidden * hidden, hidden, hidden, KP1, pid, n_prog, SP1, BN1, False)
+            if (P + D) % 4 == 2:
+                prefetch(wgu + ahead * 2 * inter * hidden, inter, hidden, KP2, pid, n_prog, SP2, BN2, True)
+            if (P + D) % 4 == 3:
+                prefetch(wd + ahead * hidden * inter, hidden, inter, KP3, pid, n_prog, SP3, BN3, False)
+
+
+@triton.jit
 def chain(x_ptr, t_ptr, s_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, part_ptr, count_ptr,
           bar_ptr, err_ptr, M, layers, hidden, inter,
           KP0, KP1, KP2, KP3,
           SP0: tl.constexpr, SP1: tl.constexpr, SP2: tl.constexpr, SP3: tl.constexpr,
           BN0: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, BN3: tl.constexpr,
           BM: tl.constexpr, BK: tl.constexpr, SPIN: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
-    """PREFETCH: 0 none; 1 a program asks L2 for its next projection's weights once its own tasks
-    of this one are done (before the barrier); 2 as this projection starts."""
+    """PREFETCH = D > 0: as each projection starts, a program asks L2 for its weights of the
+    projection D ahead (1: the next; 4: the same one of the next layer)."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     c1 = count_ptr + tl.cdiv(3 * hidden, BN0)  # each projection's tile counters
@@ -130,40 +152,31 @@ def chain(x_ptr, t_ptr, s_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, part_ptr, coun
     wq, wo, wgu, wd = wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr  # this layer's weights
     arrived = n_prog * 0  # barrier arrivals so far, over the whole launch
     for layer in range(layers):
-        if PREFETCH == 2:
-            prefetch(wo, hidden, hidden, KP1, pid, n_prog, SP1, BN1, False)
+        prefetch_ahead(0, PREFETCH, layer, layers, wq, wo, wgu, wd, hidden, inter, KP0, KP1, KP2, KP3,
+                       pid, n_prog, SP0, SP1, SP2, SP3, BN0, BN1, BN2, BN3)  # fmt: skip
         phase(x_ptr, hidden, wq, t_ptr, 3 * hidden, part_ptr, count_ptr, M, 3 * hidden, hidden, KP0,
               pid, n_prog, 0, SP0, BM, BN0, BK)  # fmt: skip
-        if PREFETCH == 1:
-            prefetch(wo, hidden, hidden, KP1, pid, n_prog, SP1, BN1, False)
         arrived += n_prog
         grid_sync(bar_ptr, err_ptr, arrived, SPIN)
-        if PREFETCH == 2:
-            prefetch(wgu, inter, hidden, KP2, pid, n_prog, SP2, BN2, True)
+        prefetch_ahead(1, PREFETCH, layer, layers, wq, wo, wgu, wd, hidden, inter, KP0, KP1, KP2, KP3,
+                       pid, n_prog, SP0, SP1, SP2, SP3, BN0, BN1, BN2, BN3)  # fmt: skip
         phase(t_ptr, 3 * hidden, wo, x_ptr, hidden, part_ptr, c1, M, hidden, hidden, KP1,
               pid, n_prog, 1, SP1, BM, BN1, BK)  # fmt: skip
-        if PREFETCH == 1:
-            prefetch(wgu, inter, hidden, KP2, pid, n_prog, SP2, BN2, True)
         arrived += n_prog
         grid_sync(bar_ptr, err_ptr, arrived, SPIN)
-        if PREFETCH == 2:
-            prefetch(wd, hidden, inter, KP3, pid, n_prog, SP3, BN3, False)
+        prefetch_ahead(2, PREFETCH, layer, layers, wq, wo, wgu, wd, hidden, inter, KP0, KP1, KP2, KP3,
+                       pid, n_prog, SP0, SP1, SP2, SP3, BN0, BN1, BN2, BN3)  # fmt: skip
         phase(x_ptr, hidden, wgu, s_ptr, inter, part_ptr, c2, M, inter, hidden, KP2,
               pid, n_prog, 2, SP2, BM, BN2, BK)  # fmt: skip
-        if PREFETCH == 1:
-            prefetch(wd, hidden, inter, KP3, pid, n_prog, SP3, BN3, False)
         arrived += n_prog
         grid_sync(bar_ptr, err_ptr, arrived, SPIN)
-        next_q = wq + 3 * hidden * hidden
-        if PREFETCH == 2 and layer + 1 < layers:
-            prefetch(next_q, 3 * hidden, hidden, KP0, pid, n_prog, SP0, BN0, False)
+        prefetch_ahead(3, PREFETCH, layer, layers, wq, wo, wgu, wd, hidden, inter, KP0, KP1, KP2, KP3,
+                       pid, n_prog, SP0, SP1, SP2, SP3, BN0, BN1, BN2, BN3)  # fmt: skip
         phase(s_ptr, inter, wd, x_ptr, hidden, part_ptr, c3, M, hidden, inter, KP3,
               pid, n_prog, 1, SP3, BM, BN3, BK)  # fmt: skip
-        if PREFETCH == 1 and layer + 1 < layers:
-            prefetch(next_q, 3 * hidden, hidden, KP0, pid, n_prog, SP0, BN0, False)
         arrived += n_prog
         grid_sync(bar_ptr, err_ptr, arrived, SPIN)
-        wq = next_q
+        wq += 3 * hidden * hidden
         wo += hidden * hidden
         wgu += 2 * inter * hidden
         wd += hidden * inter

@@ -167,9 +167,10 @@ def run_chain(
     programs (default: one per SM; 1 in the interpreter). Returns the scratch buffers, whose
     ``error`` is 1 if a barrier gave up waiting (then ``x`` is not to be trusted).
 
-    ``prefetch`` (CUDA only): 0 none; 1 each program asks L2 for its weights of the next
-    projection when its tasks of the current one are done, before the barrier; 2 when the current
-    one starts (Hopper bulk prefetches; needs K·2 bytes a multiple of 16)."""
+    ``prefetch`` = D > 0 (CUDA only): as each projection starts, every program asks L2 for its
+    weights of the projection D ahead (1 the next one, 4 the same one of the next layer; Hopper
+    bulk prefetches, K·2 bytes a multiple of 16); 0 none.
+    """
     if x.dim() != 2 or x.shape[1] != weights.hidden or not x.is_contiguous():
         raise ConfigError(f"x must be contiguous [M, {weights.hidden}], got {tuple(x.shape)}")
     if x.dtype != weights.qkv.dtype or x.device != weights.qkv.device:
@@ -184,8 +185,8 @@ def run_chain(
         raise ConfigError(f"configs are keyed by {PHASES}, got {sorted(configs)}")
     if programs is None:
         programs = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
-    if prefetch not in (0, 1, 2):
-        raise ConfigError(f"prefetch must be 0, 1 or 2, got {prefetch}")
+    if not 0 <= prefetch <= 4:
+        raise ConfigError(f"prefetch must be 0-4 projections ahead, got {prefetch}")
     if prefetch and (not x.is_cuda or x.dtype != torch.bfloat16 or weights.hidden % 8 or weights.inter % 8):
         raise ConfigError("prefetch needs bf16 weights on a CUDA device with hidden and inter multiples of 8")
     if programs < 1:
