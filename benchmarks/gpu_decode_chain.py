@@ -63,7 +63,9 @@ def main() -> None:
         help=f"comma-separated chain tiles <block_n>x<block_k>w<warps>s<stages> (default: {CONFIGS})",
     )
     p.add_argument(
-        "--prefetch", default="0,1,2", help="comma-separated prefetch modes of each chain (default: 0,1,2)"
+        "--prefetch",
+        default="0,1,2,4",
+        help="comma-separated prefetch distances of each chain (default: 0,1,2,4)",
     )
     p.add_argument(
         "--out",
