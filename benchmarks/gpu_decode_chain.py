@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import card, write_result
 from gpu_decode_gemm import HIDDEN, INTER, LAYERS, parse_config, time_graph
 
-CONFIGS = "32x128w4s3,32x128w4s5,32x256w4s3,16x128w4s4"
+CONFIGS = "32x128w4s4,16x128w4s4,32x64w4s4,64x64w4s4,64x128w8s3"
 
 
 def copy_bandwidth(gib: float = 2.0) -> float:

@@ -152,7 +152,8 @@ def _buffers(weights: ChainWeights, rows: int, p: dict[str, Plan], block_n: dict
 
 
 def default_configs() -> dict[str, GemmConfig]:
-    return dict.fromkeys(PHASES, GemmConfig(block_n=32, block_k=128))
+    """The fastest tile of ``benchmarks/results/gpu_decode_chain_h100.json`` (64 and 32 rows)."""
+    return dict.fromkeys(PHASES, GemmConfig(block_n=32, block_k=128, stages=4))
 
 
 def run_chain(
