@@ -10,7 +10,7 @@ import torch
 
 from megalith.common.errors import ConfigError
 from megalith.testing import run_python
-from megalith_chat.engine.fast_chain import ChainWeights, run_chain
+from megalith_chat.engine.fast_chain import ChainWeights, mlp_block, run_chain
 from megalith_chat.engine.fast_gemm import GemmConfig
 
 
@@ -49,6 +49,41 @@ def test_chain_matches_torch_in_interpreter() -> None:
         assert got["err"] < 1e-5, got
         assert got["flag"] == 0 and got["counters"] == 0, got
         assert got["barrier"] == 3 * 4  # one arrival (one program) at each of 4 barriers per layer
+
+
+BLOCK = """
+import json, torch
+from megalith_chat.engine import fast_chain, fast_ops
+from megalith_chat.engine.fast_gemm import GemmConfig
+g = torch.Generator().manual_seed(0)
+rnd = lambda *s: torch.randn(*s, generator=g) * 0.3
+H, I, Q = 32, 40, 48  # attention width != hidden; I not a multiple of block_n
+split = {"o": GemmConfig(16, 16, split=3), "gate_up": GemmConfig(16, 16, split=2), "down": GemmConfig(16, 16, split=3)}
+out = []
+for rows, configs in [(5, None), (7, split), (64, None)]:
+    x, attn = rnd(rows, H) * 3, rnd(rows, Q)
+    wo, wgu, wd = rnd(H, Q), rnd(2 * I, H), rnd(H, I)
+    mid = x + attn @ wo.T
+    ref = mid + fast_ops.norm_silu_mul(mid @ wgu.T, mid, 1e-5) @ wd.T
+    for _ in range(2):  # the kernel reset its barrier counts: a second call runs the same
+        y = x.clone()
+        same = fast_chain.mlp_block(y, attn, wo, wgu, wd, 1e-5, configs=configs) is y
+        buf = list(fast_chain._BLOCK_BUFFERS.values())[-1]
+        out.append({"same": same, "err": float((y - ref).abs().max() / (ref - x).abs().max()),
+                    "sync": buf["sync"].tolist(), "counters": int(buf["counters"].sum())})
+print(json.dumps({"calls": out, "flagged": fast_chain.block_error(x)}))
+"""
+
+
+def test_mlp_block_matches_torch_in_interpreter() -> None:
+    """o with the residual, 1 / rms + gate/up + SwiGLU, down with the residual in one launch,
+    against the engine's torch ops; its barrier counts and tile counters back at 0 after each call
+    (K split in 1-3 ranges, partial tiles, 64 rows)."""
+    got = json.loads(_python(BLOCK, interpret=True))
+    assert not got["flagged"]
+    for call in got["calls"]:
+        assert call["same"] and call["err"] < 1e-5, call
+        assert call["sync"] == [0, 0, 0] and call["counters"] == 0, call
 
 
 HOPPER = """
@@ -105,6 +140,26 @@ def _weights(layers: int = 2, hidden: int = 8, inter: int = 12) -> ChainWeights:
         z(layers, 2 * inter, hidden),
         z(layers, hidden, inter),
     )
+
+
+def test_bad_mlp_block_input_is_refused() -> None:
+    x, attn, wo, wgu, wd = (
+        torch.zeros(3, 8),
+        torch.zeros(3, 6),
+        torch.zeros(8, 6),
+        torch.zeros(24, 8),
+        torch.zeros(8, 12),
+    )
+    with pytest.raises(ConfigError, match=r"wo must be contiguous \[8, 6\], got \(6, 8\)"):
+        mlp_block(x, attn, wo.t(), wgu, wd, 1e-5)
+    with pytest.raises(ConfigError, match=r"wgu must be contiguous \[24, 8\], got \(22, 8\)"):
+        mlp_block(x, attn, wo, torch.zeros(22, 8), wd, 1e-5)
+    with pytest.raises(ConfigError, match="attn is torch.bfloat16"):
+        mlp_block(x, attn.bfloat16(), wo, wgu, wd, 1e-5)
+    with pytest.raises(ConfigError, match=r"mlp_block takes 1-64 rows \(one row tile\), got 65"):
+        mlp_block(torch.zeros(65, 8), torch.zeros(65, 6), wo, wgu, wd, 1e-5)
+    with pytest.raises(ConfigError, match="configs are keyed by"):
+        mlp_block(x, attn, wo, wgu, wd, 1e-5, configs={"qkv": GemmConfig()})
 
 
 def test_bad_input_is_refused() -> None:

@@ -25,10 +25,13 @@ def grid_sync(bar_ptr, err_ptr, target, SPIN: tl.constexpr):
 
 
 @triton.jit
-def phase(a_ptr, s_a, w_ptr, out_ptr, s_o, part_ptr, count_ptr, M, N, K, k_per_split,
+def phase(a_ptr, s_a, w_ptr, out_ptr, s_o, part_ptr, count_ptr, M, N, K, k_per_split,  # noqa: C901  (constexpr branches)
           pid, n_prog, EPILOGUE: tl.constexpr, SPLIT: tl.constexpr,
-          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-    """One projection: ``store`` (0), ``residual`` (1) or ``swiglu`` (2) of ``a wᵀ``."""
+          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+          ssq_ptr=None, eps=0.0, NORM: tl.constexpr = False):  # fmt: skip
+    """One projection: ``store`` (0), ``residual`` (1) or ``swiglu`` (2) of ``a wᵀ``; with ``NORM``
+    swiglu scales both halves by ``r = 1 / rms(a)`` (the norm weight folded into ``w``), the sum
+    of squares taken from the same loads of ``a`` (K must then be the full row)."""
     n_tiles = tl.cdiv(N, BN)
     rm = tl.arange(0, BM)
     rk = tl.arange(0, BK)
@@ -42,6 +45,7 @@ def phase(a_ptr, s_a, w_ptr, out_ptr, s_o, part_ptr, count_ptr, M, N, K, k_per_s
         n_ok = rn < N
         acc = tl.zeros((BM, BN), tl.float32)
         acc_up = tl.zeros((BM, BN), tl.float32)
+        ssq = tl.zeros((BM,), tl.float32)
         k_begin = split * k_per_split
         for k0 in range(k_begin, tl.minimum(k_begin + k_per_split, K), BK):
             k = k0 + rk
@@ -56,22 +60,32 @@ def phase(a_ptr, s_a, w_ptr, out_ptr, s_o, part_ptr, count_ptr, M, N, K, k_per_s
             if EPILOGUE == 2:
                 up = tl.load(w_ptr + (rn[None, :] + N).to(tl.int64) * K + k[:, None], mask=w_mask, other=0.0)
                 acc_up = tl.dot(a, up, acc_up)
+                if NORM:
+                    af = a.to(tl.float32)
+                    ssq += tl.sum(af * af, axis=1)
         last = True
         if SPLIT > 1:
             mine = (split * n_tiles + tile).to(tl.int64) * parts
             tl.store(part_ptr + mine * BM * BN + cell, acc)
             if EPILOGUE == 2:
                 tl.store(part_ptr + (mine + 1) * BM * BN + cell, acc_up)
+            if NORM:
+                tl.store(ssq_ptr + (split * n_tiles + tile).to(tl.int64) * BM + rm, ssq)
             tl.debug_barrier()
             last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
             if last:
                 acc = tl.zeros((BM, BN), tl.float32)
                 acc_up = tl.zeros((BM, BN), tl.float32)
+                ssq = tl.zeros((BM,), tl.float32)
                 for s in tl.static_range(SPLIT):
                     theirs = (s * n_tiles + tile).to(tl.int64) * parts
                     acc += tl.load(part_ptr + theirs * BM * BN + cell, cache_modifier=".cg")
                     if EPILOGUE == 2:
                         acc_up += tl.load(part_ptr + (theirs + 1) * BM * BN + cell, cache_modifier=".cg")
+                    if NORM:
+                        ssq += tl.load(
+                            ssq_ptr + (s * n_tiles + tile).to(tl.int64) * BM + rm, cache_modifier=".cg"
+                        )
                 tl.store(count_ptr + tile, 0)  # every split has counted: ready for the next layer
         if last:
             out_at = out_ptr + rm[:, None] * s_o + rn[None, :]
@@ -79,6 +93,10 @@ def phase(a_ptr, s_a, w_ptr, out_ptr, s_o, part_ptr, count_ptr, M, N, K, k_per_s
             if EPILOGUE == 1:
                 acc += tl.load(out_at, mask=o_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
             if EPILOGUE == 2:
+                if NORM:
+                    r = 1.0 / tl.sqrt(ssq / K + eps)
+                    acc = acc * r[:, None]
+                    acc_up = acc_up * r[:, None]
                 acc = acc / (1.0 + tl.exp(-acc)) * acc_up
             tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
@@ -180,3 +198,30 @@ def chain(x_ptr, t_ptr, s_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, part_ptr, coun
         wo += hidden * hidden
         wgu += 2 * inter * hidden
         wd += hidden * inter
+
+
+@triton.jit
+def mlp_block(attn_ptr, x_ptr, s_ptr, wo_ptr, wgu_ptr, wd_ptr, part_ptr, ssq_ptr, count_ptr,
+              sync_ptr, M, hidden, inter, q_width, eps, KP1, KP2, KP3,
+              SP1: tl.constexpr, SP2: tl.constexpr, SP3: tl.constexpr,
+              BN1: tl.constexpr, BN2: tl.constexpr, BN3: tl.constexpr,
+              BM: tl.constexpr, BK: tl.constexpr, SPIN: tl.constexpr):  # fmt: skip
+    """A decode layer after its attention: ``x += attn Woᵀ``; ``s = silu(g r)·(u r)`` with ``[g |
+    u] = x Wguᵀ`` and ``r = 1 / rms(x)``; ``x += s Wdᵀ``; two barriers. ``sync_ptr``: [arrivals,
+    error flag, exits]; the last program out resets the counts, so the next launch needs no memset."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    c2 = count_ptr + tl.cdiv(hidden, BN1)  # each projection's tile counters
+    c3 = c2 + tl.cdiv(inter, BN2)
+    phase(attn_ptr, q_width, wo_ptr, x_ptr, hidden, part_ptr, count_ptr, M, hidden, q_width, KP1,
+          pid, n_prog, 1, SP1, BM, BN1, BK)  # fmt: skip
+    grid_sync(sync_ptr, sync_ptr + 1, n_prog, SPIN)
+    phase(x_ptr, hidden, wgu_ptr, s_ptr, inter, part_ptr, c2, M, inter, hidden, KP2,
+          pid, n_prog, 2, SP2, BM, BN2, BK, ssq_ptr, eps, True)  # fmt: skip
+    grid_sync(sync_ptr, sync_ptr + 1, 2 * n_prog, SPIN)
+    phase(s_ptr, inter, wd_ptr, x_ptr, hidden, part_ptr, c3, M, hidden, inter, KP3,
+          pid, n_prog, 1, SP3, BM, BN3, BK)  # fmt: skip
+    # every program counted here has passed the second barrier: none polls it any more
+    if tl.atomic_add(sync_ptr + 2, 1, sem="acq_rel", scope="gpu") == n_prog - 1:
+        tl.store(sync_ptr, 0)
+        tl.store(sync_ptr + 2, 0)

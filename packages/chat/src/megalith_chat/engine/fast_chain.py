@@ -92,21 +92,28 @@ class ChainWeights:
         return {"qkv": (3 * h, h), "o": (h, h), "gate_up": (i, h), "down": (h, i)}
 
 
-def plans(weights: ChainWeights, rows: int, configs: dict[str, GemmConfig], programs: int) -> dict[str, Plan]:
-    """How each projection is cut for ``programs`` programs (:func:`.fast_gemm.plan`). Unless a
-    config fixes ``split``, K is split as far as one round of tasks allows (tiles × split ≤
-    programs): a second round would take as long as the first, whatever its size."""
-    block_k = {c.block_k for c in configs.values()}
+def cut(
+    shapes: dict[str, tuple[int, int]], rows: int, configs: dict[str, GemmConfig], programs: int
+) -> dict[str, Plan]:
+    """How each projection ``name: (N, K)`` is cut for ``programs`` programs (:func:`.fast_gemm.plan`).
+    Unless a config fixes ``split``, K is split as far as one round of tasks allows (tiles × split
+    ≤ programs): a second round would take as long as the first, whatever its size."""
+    block_k = {configs[name].block_k for name in shapes}
     if len(block_k) != 1:
         raise ConfigError(f"every phase needs one block_k, got {sorted(block_k)}")
     out = {}
-    for name, (n, k) in weights.shapes().items():
+    for name, (n, k) in shapes.items():
         cfg = configs[name]
         if cfg.split is None:
             tiles = -(-rows // 64) * -(-n // cfg.block_n)
             cfg = dataclasses.replace(cfg, split=max(1, programs // tiles))
         out[name] = plan(rows, n, k, cfg, sms=programs)
     return out
+
+
+def plans(weights: ChainWeights, rows: int, configs: dict[str, GemmConfig], programs: int) -> dict[str, Plan]:
+    """:func:`cut` of the chain's four projections."""
+    return cut(weights.shapes(), rows, configs, programs)
 
 
 @dataclass
@@ -184,14 +191,11 @@ def run_chain(
     configs = {**default_configs(), **(configs or {})}
     if set(configs) != set(PHASES):
         raise ConfigError(f"configs are keyed by {PHASES}, got {sorted(configs)}")
-    if programs is None:
-        programs = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+    programs = _programs(x, programs)
     if not 0 <= prefetch <= 4:
         raise ConfigError(f"prefetch must be 0-4 projections ahead, got {prefetch}")
     if prefetch and (not x.is_cuda or x.dtype != torch.bfloat16 or weights.hidden % 8 or weights.inter % 8):
         raise ConfigError("prefetch needs bf16 weights on a CUDA device with hidden and inter multiples of 8")
-    if programs < 1:
-        raise ConfigError(f"programs must be >= 1, got {programs}")
     p = plans(weights, rows, configs, programs)
     block_n = {name: c.block_n for name, c in configs.items()}
     buf = _buffers(weights, rows, p, block_n)
@@ -207,6 +211,100 @@ def run_chain(
         num_warps=configs["qkv"].warps, num_stages=configs["qkv"].stages,
     )  # fmt: skip
     return buf
+
+
+def _programs(x: torch.Tensor, programs: int | None) -> int:
+    """One program per SM by default (1 in the interpreter, which runs programs one after another)."""
+    if programs is None:
+        return torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+    if programs < 1:
+        raise ConfigError(f"programs must be >= 1, got {programs}")
+    return programs
+
+
+BLOCK_PHASES = ("o", "gate_up", "down")
+_BLOCK_BUFFERS: dict[tuple[Any, ...], dict[str, torch.Tensor]] = {}
+
+
+def mlp_block(
+    x: torch.Tensor,
+    attn: torch.Tensor,
+    wo: torch.Tensor,
+    wgu: torch.Tensor,
+    wd: torch.Tensor,
+    eps: float,
+    programs: int | None = None,
+    configs: dict[str, GemmConfig] | None = None,
+) -> torch.Tensor:
+    """A decode layer after its attention in one persistent launch (two grid-wide barriers):
+
+        x += attn Woᵀ;   s = silu(g r) · (u r),  [g | u] = x Wguᵀ,  r = 1 / rms(x);   x += s Wdᵀ
+
+    ``x [M, H]`` (updated in place and returned), ``attn [M, Q]``, ``wo [H, Q]``, ``wgu [2I, H]``
+    (``[W_gate; W_up]`` with the norm weight folded in, as :mod:`.fast_weights` stores it),
+    ``wd [H, I]``; 1-64 rows. The same result as the engine's ``addmm`` + ``linear`` +
+    :func:`.fast_mlp.norm_silu_mul` + ``addmm`` (four launches). The kernel resets its barrier
+    counts at its end, so calls capture in a CUDA graph without a memset between them."""
+    rows, hidden = x.shape if x.dim() == 2 else (0, 0)
+    inter, q_width = wd.shape[-1], attn.shape[-1]
+    want = {
+        "x": (rows, hidden),
+        "attn": (rows, q_width),
+        "wo": (hidden, q_width),
+        "wgu": (2 * inter, hidden),
+        "wd": (hidden, inter),
+    }
+    for name, t in (("x", x), ("attn", attn), ("wo", wo), ("wgu", wgu), ("wd", wd)):
+        if t.dim() != 2 or tuple(t.shape) != want[name] or not t.is_contiguous():
+            raise ConfigError(
+                f"mlp_block: {name} must be contiguous {list(want[name])}, got {tuple(t.shape)}"
+            )
+        if t.dtype != x.dtype or t.device != x.device:
+            raise ConfigError(f"mlp_block: {name} is {t.dtype} on {t.device}, x {x.dtype} on {x.device}")
+    if not 1 <= rows <= 64:
+        raise ConfigError(f"mlp_block takes 1-64 rows (one row tile), got {rows}")
+    configs = {**dict.fromkeys(BLOCK_PHASES, default_configs()["o"]), **(configs or {})}
+    if set(configs) != set(BLOCK_PHASES):
+        raise ConfigError(f"configs are keyed by {BLOCK_PHASES}, got {sorted(configs)}")
+    programs = _programs(x, programs)
+    shapes = {"o": (hidden, q_width), "gate_up": (inter, hidden), "down": (hidden, inter)}
+    p = cut(shapes, rows, configs, programs)
+    o, gu, d = (p[n] for n in BLOCK_PHASES)
+    block_n = {name: configs[name].block_n for name in BLOCK_PHASES}
+    key = (x.device, x.dtype, rows, hidden, inter, q_width, tuple(p.items()), tuple(block_n.items()))
+    if key not in _BLOCK_BUFFERS:
+        partial = max(
+            (2 if n == "gate_up" else 1) * q.split * q.tiles * q.block_m * block_n[n] for n, q in p.items()
+        )
+        _BLOCK_BUFFERS[key] = {
+            "s": x.new_zeros(rows, inter),
+            "partials": torch.zeros(partial, device=x.device, dtype=torch.float32),
+            "ssq": torch.zeros(gu.split * gu.tiles * gu.block_m, device=x.device, dtype=torch.float32),
+            "counters": torch.zeros(sum(q.tiles for q in p.values()), device=x.device, dtype=torch.int32),
+            "sync": torch.zeros(3, device=x.device, dtype=torch.int32),  # arrivals, error flag, exits
+        }
+    buf = _BLOCK_BUFFERS[key]
+    from megalith_chat.engine import _chain_kernel
+
+    _chain_kernel.mlp_block[(programs,)](
+        attn, x, buf["s"], wo, wgu, wd, buf["partials"], buf["ssq"], buf["counters"], buf["sync"],
+        rows, hidden, inter, q_width, eps, o.k_per_split, gu.k_per_split, d.k_per_split,
+        SP1=o.split, SP2=gu.split, SP3=d.split, BN1=block_n["o"], BN2=block_n["gate_up"],
+        BN3=block_n["down"], BM=o.block_m, BK=configs["o"].block_k, SPIN=SPIN_LIMIT,
+        num_warps=configs["o"].warps, num_stages=configs["o"].stages,
+    )  # fmt: skip
+    return x
+
+
+def block_error(x: torch.Tensor) -> bool:
+    """Whether an :func:`mlp_block` call on ``x``'s device gave up at a barrier (a program that
+    never became resident) since the flag was last cleared; clears it."""
+    flagged = False
+    for key, buf in _BLOCK_BUFFERS.items():
+        if key[0] == x.device:
+            flagged |= bool(buf["sync"][1])
+            buf["sync"][1] = 0
+    return flagged
 
 
 def reference_chain(x: torch.Tensor, weights: ChainWeights) -> torch.Tensor:
