@@ -12,7 +12,10 @@ left out; q stands in for its output). Variants, each captured in a CUDA graph a
   ahead each program asks L2 for its weights as a projection starts (0 none, 4 = one layer ahead);
 * ``barriers[<config>]``: the same launch over 24 layers of hidden = inter = 64 (a few KB of
   weights): what the 96 barriers and the projections' fixed costs take without the streaming;
-* ``floor``: the layers' weights read once at the copy bandwidth measured in the same run.
+* ``floor``: the layers' weights read once at the copy bandwidth measured in the same run;
+* ``block_cublas`` / ``block_persistent``: the engine's post-attention part of a layer (o with the
+  residual; gate/up, then 1 / rms and SwiGLU by ``fast_mlp.norm_silu_mul``; down with the residual:
+  four launches) against :func:`megalith_chat.engine.fast_chain.mlp_block` (one launch), 24 layers.
 
 Reported: microseconds per layer (replay time / 24), the achieved weight bandwidth, and each
 chain's largest error against ``cublas`` (bf16) relative to the largest change the layers made to ``x`` and its barrier error flag.
@@ -52,6 +55,40 @@ def copy_bandwidth(gib: float = 2.0) -> float:
     end.record()
     torch.cuda.synchronize()
     return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def block_ab(x0: Any, w: Any, kw: dict[str, Any]) -> dict[str, Any]:
+    """µs per layer of the post-attention part: cuBLAS + the norm/SwiGLU kernel vs ``mlp_block``."""
+    import torch
+
+    from megalith_chat.engine.fast_chain import block_error, mlp_block
+    from megalith_chat.engine.fast_mlp import norm_silu_mul
+
+    rows = x0.shape[0]
+    attn = torch.randn(rows, HIDDEN, **kw)
+    x = x0.clone()
+
+    def cublas(x: Any = x) -> None:
+        for layer in range(LAYERS):
+            x.addmm_(attn, w.o[layer].t())
+            x.addmm_(
+                norm_silu_mul(torch.nn.functional.linear(x, w.gate_up[layer]), x, 1e-5), w.down[layer].t()
+            )
+
+    def persistent(x: Any = x) -> None:
+        for layer in range(LAYERS):
+            mlp_block(x, attn, w.o[layer], w.gate_up[layer], w.down[layer], 1e-5)
+
+    x.copy_(x0)
+    cublas()
+    ref = x.float().clone()
+    x.copy_(x0)
+    persistent()
+    err = float((x.float() - ref).abs().max() / (ref - x0.float()).abs().max())
+    out = {"block_cublas": {"us": time_graph(cublas) / LAYERS}}
+    out["block_persistent"] = {"us": time_graph(persistent) / LAYERS, "max_rel_err": err}
+    out["block_persistent"]["barrier_error"] = int(block_error(x))
+    return out
 
 
 def main() -> None:
@@ -138,8 +175,9 @@ def main() -> None:
             run = functools.partial(run_chain, xt, tiny, configs=dict.fromkeys(PHASES, cfg))
             if not int(run().error):
                 row[f"barriers[{tag}]"] = {"us": time_graph(run) / LAYERS}
+        row |= block_ab(x0, w, kw)
         for name, entry in row.items():
-            if not name.startswith("barriers"):
+            if not name.startswith(("barriers", "block")):
                 entry["weight_TBps"] = weight_bytes / (entry["us"] * 1e-6) / 1e12
         result["rows"][rows] = row
         print(rows, {k: round(v["us"], 2) for k, v in row.items()}, flush=True)
