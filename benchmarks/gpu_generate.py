@@ -16,10 +16,7 @@ against a teacher-forced HF forward. On CUDA ``fast`` is also timed with its pro
 split-K Triton matmul of ``fast_gemm`` (``triton_gemm_tokens_per_s``, tiles from
 ``--gemm-configs``), then with cuBLAS and Triton again, in the same process, with the same
 correctness check (``triton_gemm_check``). ``fast_sdpa`` swaps in SDPA for the decode attention;
-``fast_nocompile`` / ``fast_eager`` drop the compiled ops / the graphs too. With ``--persistent-mlp``
-``fast`` at batches up to 64 is also timed with everything after each attention in one persistent
-launch (``persistent_mlp_tokens_per_s``), then without and with it again, in the same process, with
-the same correctness check (``persistent_mlp_check``).
+``fast_nocompile`` / ``fast_eager`` drop the compiled ops / the graphs too.
 
 Memory-bound floor (new tokens/s): a decode step must read every weight that takes part in it
 (all but the embedding table, of which only ``B`` rows are read) plus the KV cache of the mean
@@ -206,8 +203,6 @@ def run_fast(args: argparse.Namespace, model: Any, batch: int, mode: str) -> dic
             out[f"{name}_tokens_per_s"] = ungrouped_rate(args, engine, ids, mask, params)
     if mode == "fast" and args.device == "cuda" and args.gemm_configs:  # A/B: split-K Triton projections
         out |= triton_gemm_ab(args, model, engine, ids, mask, params)
-    if mode == "fast" and args.device == "cuda" and args.persistent_mlp and batch <= 64:
-        out |= persistent_mlp_ab(args, model, engine, ids, mask, params)
     if batch == args.batches[0] and mode == "fast":
         out["check"] = correctness(args, model, engine)
         if args.profile:
@@ -241,27 +236,6 @@ def triton_gemm_ab(
         if args.profile:
             out["triton_gemm_profile"] = decode_profile(args, engine, batch)
     engine.gemm = None
-    return out
-
-
-def persistent_mlp_ab(
-    args: argparse.Namespace, model: Any, engine: Any, ids: Any, mask: Any, params: Any
-) -> dict[str, Any]:
-    """The engine with everything after each attention in one persistent launch
-    (``persistent_mlp``), then with its four launches, then persistent again; at the first batch
-    also its correctness check (and profile)."""
-    from megalith_chat.engine import fast_chain
-
-    out: dict[str, Any] = {}
-    for name, on in (("persistent_mlp", True), ("unfused_again", False), ("persistent_mlp_again", True)):
-        engine.persistent_mlp = on  # graphs are keyed by it: the first call captures
-        out[f"{name}_tokens_per_s"] = ungrouped_rate(args, engine, ids, mask, params)
-    if ids.shape[0] == args.batches[0]:
-        out["persistent_mlp_check"] = correctness(args, model, engine)
-        if args.profile:
-            out["persistent_mlp_profile"] = decode_profile(args, engine, ids.shape[0])
-    out["persistent_mlp_barrier_error"] = fast_chain.block_error(ids)
-    engine.persistent_mlp = False
     return out
 
 
@@ -561,12 +535,6 @@ def main() -> None:
         "qkv=..,o=..,gate_up=..,down=.. per projection, best:<gpu_decode_gemm.py result> for the fastest "
         "measured, or '' to skip (default: 64x128w4s3)",
     )
-    p.add_argument(
-        "--persistent-mlp",
-        action="store_true",
-        help="'fast' on CUDA at batches up to 64 is also timed with everything after each attention in one "
-        "persistent launch (FastEngineConfig.persistent_mlp), in the same process",
-    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     args.batches = [int(b) for b in (args.batches or ("2,4" if args.tiny else "64,256")).split(",")]
@@ -613,7 +581,6 @@ def run_all(args: argparse.Namespace) -> None:
         *(["--profile"] if args.profile else []),
         "--gemm-configs",
         args.gemm_configs,
-        *(["--persistent-mlp"] if args.persistent_mlp else []),
     ]
     for name in args.systems.split(","):
         cmd = [sys.executable, __file__, "--worker", name, *forwarded, *(["--tiny"] if args.tiny else [])]

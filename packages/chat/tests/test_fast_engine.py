@@ -525,55 +525,6 @@ def test_engine_with_triton_gemm_matches_hf() -> None:
     assert "CUBLAS True" in stdout
 
 
-CHECK_PERSISTENT_MLP = """
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-from megalith_chat.engine import fast_chain
-from megalith_chat.engine.fast import FastEngine, FastEngineConfig
-from megalith_chat.engine.sampling import SamplingParams
-from megalith_chat.rollout.generation import response_logprobs
-cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=64, max_position_embeddings=128, pad_token_id=0,
-                  bos_token_id=None, eos_token_id=None)
-cfg._attn_implementation = "sdpa"
-torch.manual_seed(0)
-model = LlamaForCausalLM(cfg).eval()
-with torch.no_grad():
-    for layer in model.model.layers:
-        layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)  # folded into gate/up
-engine = FastEngine(model, FastEngineConfig(max_batch=4, max_len=24, attention="triton"), device="cpu")
-engine.fused_prologue = True  # the CUDA kernels, here in the interpreter
-calls = []
-block = fast_chain.mlp_block
-fast_chain.mlp_block = lambda *a, **k: calls.append(1) or block(*a, **k)
-ids = torch.randint(1, 64, (3, 5), generator=torch.Generator().manual_seed(1))
-mask = torch.ones_like(ids)
-mask[0, :2] = 0
-ids = ids.masked_fill(mask == 0, 0)
-hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-engine.persistent_mlp = True
-out = engine.generate(ids, mask, SamplingParams(8, greedy=True))
-with torch.no_grad():
-    ref = response_logprobs(model, ids, mask, out.tokens, torch.ones_like(out.tokens))
-print("RESULT", torch.equal(out.tokens, hf[:, ids.shape[1]:]), float((out.logprobs - ref).abs().max()), len(calls))
-engine.persistent_mlp = False  # four launches: the same tokens
-print("UNFUSED", torch.equal(engine.generate(ids, mask, SamplingParams(8, greedy=True)).tokens, out.tokens))
-"""
-
-
-def test_engine_with_persistent_mlp_matches_hf() -> None:
-    """The decode step with everything after each attention in one persistent launch
-    (``fast_chain.mlp_block``, in the interpreter) on a Llama with non-unit post-attention norm
-    weights: the greedy tokens of HF ``generate``, the log-probs of a teacher-forced HF forward,
-    the block run for every layer of every decode step, and the same tokens with it off."""
-    stdout = in_interpreter(CHECK_PERSISTENT_MLP, timeout=240)
-    result = next(line.split()[1:] for line in stdout.splitlines() if line.startswith("RESULT"))
-    assert result[0] == "True", stdout
-    assert float(result[1]) < TOL
-    assert int(result[2]) == 2 * 7  # two layers, seven decode steps (the prefill makes the first token)
-    assert "UNFUSED True" in stdout
-
-
 CHECK_SHARED_PROMPT = """
 import torch
 from megalith_chat.engine.fast_attention import decode_attention

@@ -45,7 +45,7 @@ from torch import nn
 
 from megalith.common.errors import ConfigError
 from megalith.kernels import get_kernel
-from megalith_chat.engine import fast_chain, fast_gemm, fast_mlp, fast_ops, fast_sample
+from megalith_chat.engine import fast_gemm, fast_mlp, fast_ops, fast_sample
 from megalith_chat.engine.fast_attention import (
     Prologue,
     choose_attention,
@@ -78,7 +78,6 @@ class StepKey(NamedTuple):
     members: int  # rows per shared prompt (1: unshared)
     in_attention: bool  # the attention kernel does the QKV prologue
     gemm: ProjectionConfigs | None  # projections by :mod:`.fast_gemm` (split-K Triton); None: cuBLAS
-    persistent_mlp: bool  # o, norm + gate/up + SwiGLU and down in one launch (:func:`.fast_chain.mlp_block`)
 
 
 @dataclass(frozen=True)
@@ -87,8 +86,7 @@ class FastEngineConfig:
 
     ``cuda_graphs``, ``compile_ops`` (``torch.compile`` of the elementwise pieces) and
     ``fused_prologue`` (:mod:`.fast_prologue`, :mod:`.fast_mlp`), ``fused_sampling``
-    (:mod:`.fast_sample`), ``fast_gemm`` (:mod:`.fast_gemm`) and ``persistent_mlp``
-    (:func:`.fast_chain.mlp_block`) apply on CUDA only.
+    (:mod:`.fast_sample`) and ``fast_gemm`` (:mod:`.fast_gemm`) apply on CUDA only.
     ``sync_every``: decode steps between host checks (stop strings, all rows finished).
     """
 
@@ -112,10 +110,6 @@ class FastEngineConfig:
     # and down with the residual add; gate/up with 1 / rms and SwiGLU) instead of cuBLAS. Off by
     # default: 5 % slower end to end on an H100 (README)
     fast_gemm: bool = False
-    # CUDA, batches up to 64, no o bias: everything after a layer's attention (o with the residual;
-    # 1 / rms, gate/up and SwiGLU; down with the residual) in one persistent launch with grid-wide
-    # barriers (:func:`.fast_chain.mlp_block`) instead of four. Off by default (README)
-    persistent_mlp: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_len < 2:
@@ -166,8 +160,6 @@ class FastEngine:
         self.fused_sampling = cuda and self.config.fused_sampling
         # the split-K projections' tiles, None for cuBLAS (benchmarks change it; graphs are keyed by it)
         self.gemm = ProjectionConfigs() if cuda and self.config.fast_gemm else None
-        # the persistent post-attention launch (benchmarks switch it; graphs are keyed by it)
-        self.persistent_mlp = cuda and self.config.persistent_mlp
         # unshared steps: the attention kernel takes the prologue over (benchmarks switch it off; the
         # step's graphs are keyed by it)
         self.prologue_in_attention = self.attention == "triton" and self.fused_prologue
@@ -276,11 +268,11 @@ class FastEngine:
     def _key(self, b: int, kv_len: int, filtered: bool, members: int = 1) -> StepKey:
         """What a decode step is captured by: its arguments and the engine's switches."""
         in_attention = self.prologue_in_attention and members == 1
-        return StepKey(b, kv_len, filtered, members, in_attention, self.gemm, self.persistent_mlp)
+        return StepKey(b, kv_len, filtered, members, in_attention, self.gemm)
 
     def _decode_body(self, key: StepKey) -> None:
         """One decode step over static buffers (the graph-captured unit; see module doc)."""
-        b, kv_len, filtered, members, in_attention, tiles, persistent = key
+        b, kv_len, filtered, members, in_attention, tiles = key
         w, s, st, ops = self.weights, self.shape, self.state, self.ops
         x, cos, sin, mask = ops.decode_prelude(
             st.tok[:b], st.slot, st.start[:b], w.embed, self._cos, self._sin, st.arange[:kv_len]
@@ -314,9 +306,6 @@ class FastEngine:
                 x = x if bias is None else x + bias
                 h = gemm(x, w.wgu[i], "swiglu", eps=s.eps, config=tiles.gate_up)
                 gemm(h, w.wd[i], "residual", out=x, config=tiles.down)
-                continue
-            if persistent and b <= 64 and w.bo[i] is None:
-                fast_chain.mlp_block(x, attn.reshape(b, -1), w.wo[i], w.wgu[i], w.wd[i], s.eps)
                 continue
             x = self._residual(x, attn.reshape(b, -1), w.wo[i], w.bo[i])
             norm_silu_mul = fast_mlp.norm_silu_mul if self.fused_prologue else ops.norm_silu_mul
