@@ -70,7 +70,7 @@ for rows, configs in [(5, None), (7, split), (64, None)]:
         same = fast_chain.mlp_block(y, attn, wo, wgu, wd, 1e-5, configs=configs) is y
         buf = list(fast_chain._BLOCK_BUFFERS.values())[-1]
         out.append({"same": same, "err": float((y - ref).abs().max() / (ref - x).abs().max()),
-                    "sync": buf["sync"].tolist(), "counters": int(buf["counters"].sum())})
+                    "sync": buf.sync.tolist(), "counters": int(buf.counters.sum())})
 print(json.dumps({"calls": out, "flagged": fast_chain.block_error(x)}))
 """
 

@@ -13,6 +13,8 @@ import triton.language as tl
 
 @triton.jit
 def grid_sync(bar_ptr, err_ptr, target, SPIN: tl.constexpr):
+    """Arrive at the barrier counter (release) and poll it (acquire) until it reaches ``target``
+    arrivals, or flag ``err_ptr`` after ``SPIN`` polls."""
     tl.debug_barrier()  # this program's stores are issued before it arrives
     seen = tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu") + 1
     spins = tl.full((), 0, tl.int32)

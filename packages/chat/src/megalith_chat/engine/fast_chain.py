@@ -45,10 +45,11 @@ PHASES = ("qkv", "o", "gate_up", "down")
 
 
 @cache
-def _kernel() -> Any:
+def _kernels() -> Any:
+    """The Triton kernels' module, imported on first use (Triton reads ``TRITON_INTERPRET`` then)."""
     from megalith_chat.engine import _chain_kernel
 
-    return _chain_kernel.chain
+    return _chain_kernel
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,6 @@ def run_chain(
     programs: int | None = None,
     configs: dict[str, GemmConfig] | None = None,
     prefetch: int = 0,
-    kernel: Any = None,
 ) -> ChainBuffers:
     """Run every layer's chain on ``x [M, H]`` in place (module doc) in one launch of ``programs``
     programs (default: one per SM; 1 in the interpreter). Returns the scratch buffers, whose
@@ -205,7 +205,7 @@ def run_chain(
     buf = _buffers(weights, rows, p, block_n)
     buf.sync.zero_()
     q, o, gu, d = (p[n] for n in PHASES)
-    (kernel or _kernel())[(programs,)](
+    _kernels().chain[(programs,)](
         x, buf.t, buf.s, weights.qkv, weights.o, weights.gate_up, weights.down, buf.partials,
         buf.counters, buf.sync, buf.sync[1:], rows, weights.layers, weights.hidden, weights.inter,
         q.k_per_split, o.k_per_split, gu.k_per_split, d.k_per_split,
@@ -227,7 +227,20 @@ def _programs(x: torch.Tensor, programs: int | None) -> int:
 
 
 BLOCK_PHASES = ("o", "gate_up", "down")
-_BLOCK_BUFFERS: dict[tuple[Any, ...], dict[str, torch.Tensor]] = {}
+
+
+@dataclass
+class BlockBuffers:
+    """Scratch of one :func:`mlp_block` shape and cut: kept, so a CUDA graph can capture calls."""
+
+    s: torch.Tensor
+    partials: torch.Tensor
+    ssq: torch.Tensor  # float32 partial sums of squares of x, where gate/up splits K
+    counters: torch.Tensor
+    sync: torch.Tensor  # [barrier arrivals, error flag, exits]; the kernel resets 0 and 2 itself
+
+
+_BLOCK_BUFFERS: dict[tuple[Any, ...], BlockBuffers] = {}
 
 
 def mlp_block(
@@ -280,18 +293,16 @@ def mlp_block(
         partial = max(
             (2 if n == "gate_up" else 1) * q.split * q.tiles * q.block_m * block_n[n] for n, q in p.items()
         )
-        _BLOCK_BUFFERS[key] = {
-            "s": x.new_zeros(rows, inter),
-            "partials": torch.zeros(partial, device=x.device, dtype=torch.float32),
-            "ssq": torch.zeros(gu.split * gu.tiles * gu.block_m, device=x.device, dtype=torch.float32),
-            "counters": torch.zeros(sum(q.tiles for q in p.values()), device=x.device, dtype=torch.int32),
-            "sync": torch.zeros(3, device=x.device, dtype=torch.int32),  # arrivals, error flag, exits
-        }
+        _BLOCK_BUFFERS[key] = BlockBuffers(
+            s=x.new_zeros(rows, inter),
+            partials=torch.zeros(partial, device=x.device, dtype=torch.float32),
+            ssq=torch.zeros(gu.split * gu.tiles * gu.block_m, device=x.device, dtype=torch.float32),
+            counters=torch.zeros(sum(q.tiles for q in p.values()), device=x.device, dtype=torch.int32),
+            sync=torch.zeros(3, device=x.device, dtype=torch.int32),
+        )
     buf = _BLOCK_BUFFERS[key]
-    from megalith_chat.engine import _chain_kernel
-
-    _chain_kernel.mlp_block[(programs,)](
-        attn, x, buf["s"], wo, wgu, wd, buf["partials"], buf["ssq"], buf["counters"], buf["sync"],
+    _kernels().mlp_block[(programs,)](
+        attn, x, buf.s, wo, wgu, wd, buf.partials, buf.ssq, buf.counters, buf.sync,
         rows, hidden, inter, q_width, eps, o.k_per_split, gu.k_per_split, d.k_per_split,
         SP1=o.split, SP2=gu.split, SP3=d.split, BN1=block_n["o"], BN2=block_n["gate_up"],
         BN3=block_n["down"], BM=o.block_m, BK=configs["o"].block_k, SPIN=SPIN_LIMIT,
@@ -306,8 +317,8 @@ def block_error(x: torch.Tensor) -> bool:
     flagged = False
     for key, buf in _BLOCK_BUFFERS.items():
         if key[0] == x.device:
-            flagged |= bool(buf["sync"][1])
-            buf["sync"][1] = 0
+            flagged |= bool(buf.sync[1])
+            buf.sync[1] = 0
     return flagged
 
 
