@@ -9,7 +9,8 @@ left out; q stands in for its output). Variants, each captured in a CUDA graph a
 * ``chain[<config>,p<mode>]``: :mod:`megalith_chat.engine.fast_chain`, every layer in one launch
   of one program per SM, grid-wide barriers between the projections; ``<config>`` is the tile
   ``<block_n>x<block_k>w<warps>s<stages>`` of every projection, ``<mode>`` how many projections
-  ahead each program asks L2 for its weights as a projection starts (0 none, 4 = one layer ahead);
+  ahead each program asks L2 for its weights as a projection starts (0 none, 4 = one layer ahead;
+  ``i``: the programs idle in qkv and gate/up ask for the next projections' weights instead);
 * ``barriers[<config>]``: the same launch over 24 layers of hidden = inter = 64 (a few KB of
   weights): what the 96 barriers and the projections' fixed costs take without the streaming;
 * ``floor``: the layers' weights read once at the copy bandwidth measured in the same run;
@@ -91,6 +92,15 @@ def block_ab(x0: Any, w: Any, kw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def parse_modes(text: str) -> list[str]:
+    """``--prefetch``: distances ``0``-``4`` and ``i`` (idle programs prefetch), comma-separated."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    for m in modes:
+        if m != "i" and not (m.isdigit() and int(m) <= 4):
+            raise SystemExit(f"--prefetch: {m!r} is neither a distance 0-4 nor 'i'")
+    return modes
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="64,32", help="comma-separated row counts, each 1-64 (default: 64,32)")
@@ -101,8 +111,9 @@ def main() -> None:
     )
     p.add_argument(
         "--prefetch",
-        default="0,1,2,4",
-        help="comma-separated prefetch distances of each chain (default: 0,1,2,4)",
+        default="0,i",
+        help="comma-separated prefetch modes of each chain: distances 0-4 (projections ahead; 0 none) "
+        "or i (the programs idle in a projection prefetch for the next ones) (default: 0,i)",
     )
     p.add_argument(
         "--out",
@@ -119,7 +130,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("gpu_decode_chain.py needs a CUDA GPU (the tests run the chain on the CPU)")
     configs = {c: parse_config(c) for c in args.configs.split(",") if c}
-    modes = [int(m) for m in args.prefetch.split(",") if m]
+    modes = parse_modes(args.prefetch)
     kw: dict[str, Any] = {"device": "cuda", "dtype": torch.bfloat16}
     h, i = HIDDEN, INTER
     w = ChainWeights(
@@ -157,7 +168,10 @@ def main() -> None:
         row: dict[str, Any] = {"cublas": {"us": time_graph(cublas) / LAYERS}}
         for (tag, cfg), mode in itertools.product(configs.items(), modes):
             tag = f"{tag},p{mode}"
-            run = functools.partial(run_chain, x, w, configs=dict.fromkeys(PHASES, cfg), prefetch=mode)
+            run = functools.partial(
+                run_chain, x, w, configs=dict.fromkeys(PHASES, cfg),
+                prefetch=0 if mode == "i" else int(mode), idle_prefetch=mode == "i",
+            )  # fmt: skip
             x.copy_(x0)
             buf = run()
             torch.cuda.synchronize()

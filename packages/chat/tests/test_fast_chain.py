@@ -99,15 +99,15 @@ def kind(n):
     if n in ("count_ptr", "bar_ptr", "err_ptr"): return "*i32"
     return "*bf16" if n.endswith("_ptr") else "i32"
 found = {}
-for split, prefetch in ((1, 0), (4, 0), (4, 2), (4, 4)):
+for split, prefetch, idle in ((1, 0, False), (4, 0, False), (4, 2, False), (4, 4, False), (4, 0, True)):
     consts = dict(SP0=1, SP1=split, SP2=1, SP3=split, BN0=32, BN1=32, BN2=32, BN3=32, BM=64, BK=128,
-                  SPIN=1 << 20, PREFETCH=prefetch)
+                  SPIN=1 << 20, PREFETCH=prefetch, IDLE=idle)
     sig = {n: kind(n) for n in names if n not in consts}
     aligned = [i for i, n in enumerate(names) if n.endswith("_ptr") or n in ("hidden", "inter", "KP0", "KP1", "KP2", "KP3")]
     src = ASTSource(kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts,
                     {(i,): [["tt.divisibility", 16]] for i in aligned})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
-    found[f"{split}/{prefetch}"] = {
+    found[f"{split}/{prefetch}" + ("/idle" if idle else "")] = {
         "arrive": len(re.findall(r"atom[.]global[.]gpu[.]release[.]add", ptx)),
         "poll": len(re.findall(r"ld[.]global[.]gpu[.]acquire", ptx)),
         "tile_count": len(re.findall(r"atom[.]global[.]gpu[.]acq_rel[.]add", ptx)),
@@ -130,6 +130,8 @@ def test_chain_compiles_for_hopper() -> None:
     # requests over 128 threads: two per thread; whatever the distance
     assert found["4/0"]["prefetch"] == 0, found
     assert found["4/2"]["prefetch"] == found["4/4"]["prefetch"] == 5 * 2, found
+    # idle programs: four shares (o, gate/up; down, the next qkv), 128 pieces over 128 threads
+    assert found["4/0/idle"]["prefetch"] == 4, found
 
 
 def _weights(layers: int = 2, hidden: int = 8, inter: int = 12) -> ChainWeights:
@@ -182,5 +184,7 @@ def test_bad_input_is_refused() -> None:
         run_chain(torch.zeros(3, 8), w, prefetch=5)
     with pytest.raises(ConfigError, match="prefetch needs bf16 weights on a CUDA device"):
         run_chain(torch.zeros(3, 8), w, prefetch=1)
+    with pytest.raises(ConfigError, match="prefetch needs bf16 weights on a CUDA device"):
+        run_chain(torch.zeros(3, 8), w, idle_prefetch=True)
     with pytest.raises(ConfigError, match="programs must be >= 1, got 0"):
         run_chain(torch.zeros(3, 8), w, programs=0)

@@ -134,6 +134,25 @@ def prefetch(w_ptr, N, K, k_per_split, pid, n_prog, SPLIT: tl.constexpr, BN: tl.
 
 
 @triton.jit
+def prefetch_idle(w_ptr, numel, tasks, pid, n_prog, PIECES: tl.constexpr = 128):
+    """Programs with no task in this projection (``pid >= tasks``) share out the ``numel`` bf16
+    elements at ``w_ptr`` (a later projection's weights, contiguous) and ask L2 for their share,
+    ``PIECES`` bulk prefetches each."""
+    if (pid >= tasks) & (n_prog > tasks):
+        share = tl.cdiv(tl.cdiv(numel, n_prog - tasks), PIECES * 8) * PIECES * 8
+        piece = share // PIECES
+        start = (pid - tasks) * share + tl.arange(0, PIECES) * piece
+        size = tl.minimum(tl.maximum(numel - start, 0), piece)
+        live = size > 0
+        start = tl.where(live, start, 0)  # a piece past the end asks for the first one again
+        size = tl.where(live, size, tl.minimum(piece, numel))
+        tl.inline_asm_elementwise(
+            "mov.b32 $0, 0; cp.async.bulk.prefetch.L2.global [$1], $2;", "=r,l,r",
+            [w_ptr + start.to(tl.int64), size * 2], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
 def prefetch_ahead(P: tl.constexpr, D: tl.constexpr, layer, layers, wq, wo, wgu, wd, hidden, inter,
                    KP0, KP1, KP2, KP3, pid, n_prog,
                    SP0: tl.constexpr, SP1: tl.constexpr, SP2: tl.constexpr, SP3: tl.constexpr,
@@ -161,9 +180,12 @@ def chain(x_ptr, t_ptr, s_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, part_ptr, coun
           KP0, KP1, KP2, KP3,
           SP0: tl.constexpr, SP1: tl.constexpr, SP2: tl.constexpr, SP3: tl.constexpr,
           BN0: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, BN3: tl.constexpr,
-          BM: tl.constexpr, BK: tl.constexpr, SPIN: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
+          BM: tl.constexpr, BK: tl.constexpr, SPIN: tl.constexpr, PREFETCH: tl.constexpr,
+          IDLE: tl.constexpr = False):  # fmt: skip
     """PREFETCH = D > 0: as each projection starts, a program asks L2 for its weights of the
-    projection D ahead (1: the next; 4: the same one of the next layer)."""
+    projection D ahead (1: the next; 4: the same one of the next layer). IDLE: the programs
+    without a task in qkv ask L2 for this layer's o and gate/up weights, those without one in
+    gate/up for its down and the next layer's qkv weights."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     c1 = count_ptr + tl.cdiv(3 * hidden, BN0)  # each projection's tile counters
@@ -172,6 +194,10 @@ def chain(x_ptr, t_ptr, s_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, part_ptr, coun
     wq, wo, wgu, wd = wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr  # this layer's weights
     arrived = n_prog * 0  # barrier arrivals so far, over the whole launch
     for layer in range(layers):
+        if IDLE:
+            tasks0 = tl.cdiv(3 * hidden, BN0) * SP0
+            prefetch_idle(wo, hidden * hidden, tasks0, pid, n_prog)
+            prefetch_idle(wgu, 2 * inter * hidden, tasks0, pid, n_prog)
         prefetch_ahead(0, PREFETCH, layer, layers, wq, wo, wgu, wd, hidden, inter, KP0, KP1, KP2, KP3,
                        pid, n_prog, SP0, SP1, SP2, SP3, BN0, BN1, BN2, BN3)  # fmt: skip
         phase(x_ptr, hidden, wq, t_ptr, 3 * hidden, part_ptr, count_ptr, M, 3 * hidden, hidden, KP0,
@@ -184,6 +210,11 @@ def chain(x_ptr, t_ptr, s_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, part_ptr, coun
               pid, n_prog, 1, SP1, BM, BN1, BK)  # fmt: skip
         arrived += n_prog
         grid_sync(bar_ptr, err_ptr, arrived, SPIN)
+        if IDLE:
+            tasks2 = tl.cdiv(inter, BN2) * SP2
+            prefetch_idle(wd, hidden * inter, tasks2, pid, n_prog)
+            if layer + 1 < layers:
+                prefetch_idle(wq + 3 * hidden * hidden, 3 * hidden * hidden, tasks2, pid, n_prog)
         prefetch_ahead(2, PREFETCH, layer, layers, wq, wo, wgu, wd, hidden, inter, KP0, KP1, KP2, KP3,
                        pid, n_prog, SP0, SP1, SP2, SP3, BN0, BN1, BN2, BN3)  # fmt: skip
         phase(x_ptr, hidden, wgu, s_ptr, inter, part_ptr, c2, M, inter, hidden, KP2,

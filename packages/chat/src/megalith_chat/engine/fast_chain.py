@@ -174,6 +174,7 @@ def run_chain(
     programs: int | None = None,
     configs: dict[str, GemmConfig] | None = None,
     prefetch: int = 0,
+    idle_prefetch: bool = False,
 ) -> ChainBuffers:
     """Run every layer's chain on ``x [M, H]`` in place (module doc) in one launch of ``programs``
     programs (default: one per SM; 1 in the interpreter). Returns the scratch buffers, whose
@@ -181,7 +182,9 @@ def run_chain(
 
     ``prefetch`` = D > 0 (CUDA only): as each projection starts, every program asks L2 for its
     weights of the projection D ahead (1 the next one, 4 the same one of the next layer; Hopper
-    bulk prefetches, K·2 bytes a multiple of 16); 0 none.
+    bulk prefetches, K·2 bytes a multiple of 16); 0 none. ``idle_prefetch`` (CUDA only): the
+    programs without a task in a projection ask L2 for the weights of the next ones instead (qkv's
+    idle programs for o and gate/up, gate/up's for down and the next layer's qkv).
     """
     if x.dim() != 2 or x.shape[1] != weights.hidden or not x.is_contiguous():
         raise ConfigError(f"x must be contiguous [M, {weights.hidden}], got {tuple(x.shape)}")
@@ -198,7 +201,9 @@ def run_chain(
     programs = _programs(x, programs)
     if not 0 <= prefetch <= 4:
         raise ConfigError(f"prefetch must be 0-4 projections ahead, got {prefetch}")
-    if prefetch and (not x.is_cuda or x.dtype != torch.bfloat16 or weights.hidden % 8 or weights.inter % 8):
+    if (prefetch or idle_prefetch) and (
+        not x.is_cuda or x.dtype != torch.bfloat16 or weights.hidden % 8 or weights.inter % 8
+    ):
         raise ConfigError("prefetch needs bf16 weights on a CUDA device with hidden and inter multiples of 8")
     p = plans(weights, rows, configs, programs)
     block_n = {name: c.block_n for name, c in configs.items()}
@@ -211,7 +216,7 @@ def run_chain(
         q.k_per_split, o.k_per_split, gu.k_per_split, d.k_per_split,
         SP0=q.split, SP1=o.split, SP2=gu.split, SP3=d.split,
         BN0=block_n["qkv"], BN1=block_n["o"], BN2=block_n["gate_up"], BN3=block_n["down"],
-        BM=q.block_m, BK=configs["qkv"].block_k, SPIN=SPIN_LIMIT, PREFETCH=prefetch,
+        BM=q.block_m, BK=configs["qkv"].block_k, SPIN=SPIN_LIMIT, PREFETCH=prefetch, IDLE=idle_prefetch,
         num_warps=configs["qkv"].warps, num_stages=configs["qkv"].stages,
     )  # fmt: skip
     return buf
