@@ -1,5 +1,6 @@
-"""The Triton kernel of :mod:`.fast_chain` (imported lazily, when the chain first runs:
-``TRITON_INTERPRET`` is read at import)."""
+"""The Triton kernels of :mod:`.fast_chain` (imported lazily, when one first runs:
+``TRITON_INTERPRET`` is read at import). The prefetch helpers use inline PTX, so they compile
+for CUDA only; the interpreter runs the kernels with them off."""
 
 # Triton kernels take every pointer, stride and size as a separate argument.
 # ruff: noqa: PLR0913
@@ -104,6 +105,15 @@ def phase(a_ptr, s_a, w_ptr, out_ptr, s_o, part_ptr, count_ptr, M, N, K, k_per_s
 
 
 @triton.jit
+def bulk_prefetch(ptrs, nbytes):
+    """Ask L2 for ``nbytes`` at each of ``ptrs`` (Hopper bulk prefetch; 16-byte multiples)."""
+    tl.inline_asm_elementwise(
+        "mov.b32 $0, 0; cp.async.bulk.prefetch.L2.global [$1], $2;", "=r,l,r",
+        [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
 def prefetch(w_ptr, N, K, k_per_split, pid, n_prog, SPLIT: tl.constexpr, BN: tl.constexpr, UP: tl.constexpr,
              PIECES: tl.constexpr = 8):  # fmt: skip
     """Ask L2 for the weight rows of this program's tasks of a projection (``phase``'s cut; with
@@ -126,11 +136,7 @@ def prefetch(w_ptr, N, K, k_per_split, pid, n_prog, SPLIT: tl.constexpr, BN: tl.
         rows = tl.where(rn < N, rn, 0).to(tl.int64)
         nbytes = tl.broadcast_to(size[None, :] * 2, (BN, PIECES))
         for half in tl.static_range(2 if UP else 1):
-            tl.inline_asm_elementwise(
-                "mov.b32 $0, 0; cp.async.bulk.prefetch.L2.global [$1], $2;", "=r,l,r",
-                [w_ptr + (rows[:, None] + half * N) * K + k0 + start[None, :], nbytes],
-                dtype=tl.int32, is_pure=False, pack=1,
-            )  # fmt: skip
+            bulk_prefetch(w_ptr + (rows[:, None] + half * N) * K + k0 + start[None, :], nbytes)
 
 
 @triton.jit
@@ -146,10 +152,7 @@ def prefetch_idle(w_ptr, numel, tasks, pid, n_prog, PIECES: tl.constexpr = 128):
         live = size > 0
         start = tl.where(live, start, 0)  # a piece past the end asks for the first one again
         size = tl.where(live, size, tl.minimum(piece, numel))
-        tl.inline_asm_elementwise(
-            "mov.b32 $0, 0; cp.async.bulk.prefetch.L2.global [$1], $2;", "=r,l,r",
-            [w_ptr + start.to(tl.int64), size * 2], dtype=tl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
+        bulk_prefetch(w_ptr + start.to(tl.int64), size * 2)
 
 
 @triton.jit
