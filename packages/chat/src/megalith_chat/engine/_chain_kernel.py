@@ -1,4 +1,4 @@
-"""The Triton kernels of :mod:`.fast_chain` (imported lazily, when one first runs:
+"""The persistent Triton kernels of :mod:`.fast_chain` (imported lazily, when one first runs:
 ``TRITON_INTERPRET`` is read at import). The prefetch helpers use inline PTX, so they compile
 for CUDA only; the interpreter runs the kernels with them off."""
 
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from megalith_chat.engine._tile_gemm import gemm_tasks
 
 
 @triton.jit
@@ -25,83 +27,6 @@ def grid_sync(bar_ptr, err_ptr, target, SPIN: tl.constexpr):
     if seen < target:
         tl.atomic_max(err_ptr, 1)
     tl.debug_barrier()
-
-
-@triton.jit
-def phase(a_ptr, s_a, w_ptr, out_ptr, s_o, part_ptr, count_ptr, M, N, K, k_per_split,  # noqa: C901  (constexpr branches)
-          pid, n_prog, EPILOGUE: tl.constexpr, SPLIT: tl.constexpr,
-          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-          ssq_ptr=None, eps=0.0, NORM: tl.constexpr = False):  # fmt: skip
-    """One projection: ``store`` (0), ``residual`` (1) or ``swiglu`` (2) of ``a wᵀ``; with ``NORM``
-    swiglu scales both halves by ``r = 1 / rms(a)`` (the norm weight folded into ``w``), the sum
-    of squares taken from the same loads of ``a`` (K must then be the full row)."""
-    n_tiles = tl.cdiv(N, BN)
-    rm = tl.arange(0, BM)
-    rk = tl.arange(0, BK)
-    m_ok = rm < M
-    cell = rm[:, None] * BN + tl.arange(0, BN)[None, :]
-    parts = 2 if EPILOGUE == 2 else 1
-    for task in range(pid, n_tiles * SPLIT, n_prog):
-        tile = task % n_tiles
-        split = task // n_tiles
-        rn = tile * BN + tl.arange(0, BN)
-        n_ok = rn < N
-        acc = tl.zeros((BM, BN), tl.float32)
-        acc_up = tl.zeros((BM, BN), tl.float32)
-        ssq = tl.zeros((BM,), tl.float32)
-        k_begin = split * k_per_split
-        for k0 in range(k_begin, tl.minimum(k_begin + k_per_split, K), BK):
-            k = k0 + rk
-            k_ok = k < K
-            a = tl.load(
-                a_ptr + rm[:, None] * s_a + k[None, :],
-                mask=m_ok[:, None] & k_ok[None, :], other=0.0, cache_modifier=".cg",
-            )  # fmt: skip
-            w_mask = n_ok[None, :] & k_ok[:, None]
-            w = tl.load(w_ptr + rn[None, :].to(tl.int64) * K + k[:, None], mask=w_mask, other=0.0)
-            acc = tl.dot(a, w, acc)
-            if EPILOGUE == 2:
-                up = tl.load(w_ptr + (rn[None, :] + N).to(tl.int64) * K + k[:, None], mask=w_mask, other=0.0)
-                acc_up = tl.dot(a, up, acc_up)
-                if NORM:
-                    af = a.to(tl.float32)
-                    ssq += tl.sum(af * af, axis=1)
-        last = True
-        if SPLIT > 1:
-            mine = (split * n_tiles + tile).to(tl.int64) * parts
-            tl.store(part_ptr + mine * BM * BN + cell, acc)
-            if EPILOGUE == 2:
-                tl.store(part_ptr + (mine + 1) * BM * BN + cell, acc_up)
-            if NORM:
-                tl.store(ssq_ptr + (split * n_tiles + tile).to(tl.int64) * BM + rm, ssq)
-            tl.debug_barrier()
-            last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
-            if last:
-                acc = tl.zeros((BM, BN), tl.float32)
-                acc_up = tl.zeros((BM, BN), tl.float32)
-                ssq = tl.zeros((BM,), tl.float32)
-                for s in tl.static_range(SPLIT):
-                    theirs = (s * n_tiles + tile).to(tl.int64) * parts
-                    acc += tl.load(part_ptr + theirs * BM * BN + cell, cache_modifier=".cg")
-                    if EPILOGUE == 2:
-                        acc_up += tl.load(part_ptr + (theirs + 1) * BM * BN + cell, cache_modifier=".cg")
-                    if NORM:
-                        ssq += tl.load(
-                            ssq_ptr + (s * n_tiles + tile).to(tl.int64) * BM + rm, cache_modifier=".cg"
-                        )
-                tl.store(count_ptr + tile, 0)  # every split has counted: ready for the next layer
-        if last:
-            out_at = out_ptr + rm[:, None] * s_o + rn[None, :]
-            o_mask = m_ok[:, None] & n_ok[None, :]
-            if EPILOGUE == 1:
-                acc += tl.load(out_at, mask=o_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            if EPILOGUE == 2:
-                if NORM:
-                    r = 1.0 / tl.sqrt(ssq / K + eps)
-                    acc = acc * r[:, None]
-                    acc_up = acc_up * r[:, None]
-                acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-            tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 @triton.jit
@@ -195,7 +120,6 @@ def chain(x_ptr, t_ptr, s_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, part_ptr, coun
     c2 = c1 + tl.cdiv(hidden, BN1)
     c3 = c2 + tl.cdiv(inter, BN2)
     wq, wo, wgu, wd = wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr  # this layer's weights
-    arrived = n_prog * 0  # barrier arrivals so far, over the whole launch
     for layer in range(layers):
         if IDLE:
             tasks0 = tl.cdiv(3 * hidden, BN0) * SP0
@@ -203,16 +127,14 @@ def chain(x_ptr, t_ptr, s_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, part_ptr, coun
             prefetch_idle(wgu, 2 * inter * hidden, tasks0, pid, n_prog)
         prefetch_ahead(0, PREFETCH, layer, layers, wq, wo, wgu, wd, hidden, inter, KP0, KP1, KP2, KP3,
                        pid, n_prog, SP0, SP1, SP2, SP3, BN0, BN1, BN2, BN3)  # fmt: skip
-        phase(x_ptr, hidden, wq, t_ptr, 3 * hidden, part_ptr, count_ptr, M, 3 * hidden, hidden, KP0,
-              pid, n_prog, 0, SP0, BM, BN0, BK)  # fmt: skip
-        arrived += n_prog
-        grid_sync(bar_ptr, err_ptr, arrived, SPIN)
+        gemm_tasks(x_ptr, hidden, wq, hidden, t_ptr, 3 * hidden, part_ptr, count_ptr, M, 3 * hidden, hidden, KP0,
+                   pid, n_prog, 0, SP0, BM, BN0, BK)  # fmt: skip
+        grid_sync(bar_ptr, err_ptr, (4 * layer + 1) * n_prog, SPIN)  # arrivals so far, whole launch
         prefetch_ahead(1, PREFETCH, layer, layers, wq, wo, wgu, wd, hidden, inter, KP0, KP1, KP2, KP3,
                        pid, n_prog, SP0, SP1, SP2, SP3, BN0, BN1, BN2, BN3)  # fmt: skip
-        phase(t_ptr, 3 * hidden, wo, x_ptr, hidden, part_ptr, c1, M, hidden, hidden, KP1,
-              pid, n_prog, 1, SP1, BM, BN1, BK)  # fmt: skip
-        arrived += n_prog
-        grid_sync(bar_ptr, err_ptr, arrived, SPIN)
+        gemm_tasks(t_ptr, 3 * hidden, wo, hidden, x_ptr, hidden, part_ptr, c1, M, hidden, hidden, KP1,
+                   pid, n_prog, 1, SP1, BM, BN1, BK)  # fmt: skip
+        grid_sync(bar_ptr, err_ptr, (4 * layer + 2) * n_prog, SPIN)
         if IDLE:
             tasks2 = tl.cdiv(inter, BN2) * SP2
             prefetch_idle(wd, hidden * inter, tasks2, pid, n_prog)
@@ -220,16 +142,14 @@ def chain(x_ptr, t_ptr, s_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, part_ptr, coun
                 prefetch_idle(wq + 3 * hidden * hidden, 3 * hidden * hidden, tasks2, pid, n_prog)
         prefetch_ahead(2, PREFETCH, layer, layers, wq, wo, wgu, wd, hidden, inter, KP0, KP1, KP2, KP3,
                        pid, n_prog, SP0, SP1, SP2, SP3, BN0, BN1, BN2, BN3)  # fmt: skip
-        phase(x_ptr, hidden, wgu, s_ptr, inter, part_ptr, c2, M, inter, hidden, KP2,
-              pid, n_prog, 2, SP2, BM, BN2, BK)  # fmt: skip
-        arrived += n_prog
-        grid_sync(bar_ptr, err_ptr, arrived, SPIN)
+        gemm_tasks(x_ptr, hidden, wgu, hidden, s_ptr, inter, part_ptr, c2, M, inter, hidden, KP2,
+                   pid, n_prog, 2, SP2, BM, BN2, BK)  # fmt: skip
+        grid_sync(bar_ptr, err_ptr, (4 * layer + 3) * n_prog, SPIN)
         prefetch_ahead(3, PREFETCH, layer, layers, wq, wo, wgu, wd, hidden, inter, KP0, KP1, KP2, KP3,
                        pid, n_prog, SP0, SP1, SP2, SP3, BN0, BN1, BN2, BN3)  # fmt: skip
-        phase(s_ptr, inter, wd, x_ptr, hidden, part_ptr, c3, M, hidden, inter, KP3,
-              pid, n_prog, 1, SP3, BM, BN3, BK)  # fmt: skip
-        arrived += n_prog
-        grid_sync(bar_ptr, err_ptr, arrived, SPIN)
+        gemm_tasks(s_ptr, inter, wd, inter, x_ptr, hidden, part_ptr, c3, M, hidden, inter, KP3,
+                   pid, n_prog, 1, SP3, BM, BN3, BK)  # fmt: skip
+        grid_sync(bar_ptr, err_ptr, (4 * layer + 4) * n_prog, SPIN)
         wq += 3 * hidden * hidden
         wo += hidden * hidden
         wgu += 2 * inter * hidden
@@ -249,14 +169,14 @@ def mlp_block(attn_ptr, x_ptr, s_ptr, wo_ptr, wgu_ptr, wd_ptr, part_ptr, ssq_ptr
     n_prog = tl.num_programs(0)
     c2 = count_ptr + tl.cdiv(hidden, BN1)  # each projection's tile counters
     c3 = c2 + tl.cdiv(inter, BN2)
-    phase(attn_ptr, q_width, wo_ptr, x_ptr, hidden, part_ptr, count_ptr, M, hidden, q_width, KP1,
-          pid, n_prog, 1, SP1, BM, BN1, BK)  # fmt: skip
+    gemm_tasks(attn_ptr, q_width, wo_ptr, q_width, x_ptr, hidden, part_ptr, count_ptr, M, hidden, q_width, KP1,
+               pid, n_prog, 1, SP1, BM, BN1, BK)  # fmt: skip
     grid_sync(sync_ptr, sync_ptr + 1, n_prog, SPIN)
-    phase(x_ptr, hidden, wgu_ptr, s_ptr, inter, part_ptr, c2, M, inter, hidden, KP2,
-          pid, n_prog, 2, SP2, BM, BN2, BK, ssq_ptr, eps, True)  # fmt: skip
+    gemm_tasks(x_ptr, hidden, wgu_ptr, hidden, s_ptr, inter, part_ptr, c2, M, inter, hidden, KP2,
+               pid, n_prog, 2, SP2, BM, BN2, BK, ssq_ptr, eps, True)  # fmt: skip
     grid_sync(sync_ptr, sync_ptr + 1, 2 * n_prog, SPIN)
-    phase(s_ptr, inter, wd_ptr, x_ptr, hidden, part_ptr, c3, M, hidden, inter, KP3,
-          pid, n_prog, 1, SP3, BM, BN3, BK)  # fmt: skip
+    gemm_tasks(s_ptr, inter, wd_ptr, inter, x_ptr, hidden, part_ptr, c3, M, hidden, inter, KP3,
+               pid, n_prog, 1, SP3, BM, BN3, BK)  # fmt: skip
     # every program counted here has passed the second barrier: none polls it any more
     if tl.atomic_add(sync_ptr + 2, 1, sem="acq_rel", scope="gpu") == n_prog - 1:
         tl.store(sync_ptr, 0)

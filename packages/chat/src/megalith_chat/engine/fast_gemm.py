@@ -26,7 +26,6 @@ without it. The tests check it against torch in the Triton interpreter (``TRITON
 and compile it for sm_90.
 """
 
-# ruff: noqa: PLR0913  (Triton kernels take their pointers, strides and sizes as arguments)
 from __future__ import annotations
 
 import re
@@ -80,83 +79,12 @@ class ProjectionConfigs(NamedTuple):
 
 
 def make_kernel() -> Any:
-    """A fresh Triton kernel (reads ``TRITON_INTERPRET`` now)."""
-    import triton
-    import triton.language as tl
+    """The Triton kernel: :func:`._tile_gemm.skinny_gemm` on grid ``(tiles, split)``, the split-K
+    tile matmul that :mod:`.fast_chain` runs inside its persistent kernels too (its module is
+    imported on first use, when Triton reads ``TRITON_INTERPRET``)."""
+    from megalith_chat.engine import _tile_gemm
 
-    # arguments stay unannotated: @triton.jit reads annotations (tl.constexpr) to specialise a kernel
-    @triton.jit
-    def skinny_gemm(a_ptr, w_ptr, out_ptr, part_ptr, ssq_ptr, count_ptr,  # type: ignore[no-untyped-def]
-                    M, N, K, s_am, s_wn, s_om, k_per_split, eps,
-                    EPILOGUE: tl.constexpr, SPLIT: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-        tile = tl.program_id(0)
-        split = tl.program_id(1)
-        n_tiles = tl.cdiv(N, BN)
-        rm = (tile // n_tiles) * BM + tl.arange(0, BM)
-        rn = (tile % n_tiles) * BN + tl.arange(0, BN)
-        rk = tl.arange(0, BK)
-        m_ok, n_ok = rm < M, rn < N
-        acc = tl.zeros((BM, BN), tl.float32)
-        acc_up = tl.zeros((BM, BN), tl.float32)  # swiglu: the up half (w rows N + n)
-        ssq = tl.zeros((BM,), tl.float32)  # swiglu: sum of squares of the rows of a
-        k_begin = split * k_per_split
-        for k0 in range(k_begin, tl.minimum(k_begin + k_per_split, K), BK):
-            k = k0 + rk
-            k_ok = k < K
-            a = tl.load(
-                a_ptr + rm[:, None] * s_am + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
-            )
-            w_mask = n_ok[None, :] & k_ok[:, None]
-            w = tl.load(w_ptr + rn[None, :].to(tl.int64) * s_wn + k[:, None], mask=w_mask, other=0.0)
-            acc = tl.dot(a, w, acc)
-            if EPILOGUE == 2:
-                up = tl.load(
-                    w_ptr + (rn[None, :] + N).to(tl.int64) * s_wn + k[:, None], mask=w_mask, other=0.0
-                )
-                acc_up = tl.dot(a, up, acc_up)
-                af = a.to(tl.float32)
-                ssq += tl.sum(af * af, axis=1)
-        last = True
-        if SPLIT > 1:
-            cell = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
-            parts = 2 if EPILOGUE == 2 else 1
-            mine = (split * tl.num_programs(0) + tile).to(tl.int64)
-            tl.store(part_ptr + mine * parts * BM * BN + cell, acc)
-            if EPILOGUE == 2:
-                tl.store(part_ptr + (mine * 2 + 1) * BM * BN + cell, acc_up)
-                tl.store(ssq_ptr + mine * BM + tl.arange(0, BM), ssq)
-            tl.debug_barrier()  # every thread's partial is written before the counter moves
-            last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
-            if last:
-                acc = tl.zeros((BM, BN), tl.float32)
-                acc_up = tl.zeros((BM, BN), tl.float32)
-                ssq = tl.zeros((BM,), tl.float32)
-                for s in tl.static_range(SPLIT):
-                    theirs = (s * tl.num_programs(0) + tile).to(tl.int64)
-                    acc += tl.load(part_ptr + theirs * parts * BM * BN + cell, cache_modifier=".cg")
-                    if EPILOGUE == 2:
-                        acc_up += tl.load(part_ptr + (theirs * 2 + 1) * BM * BN + cell, cache_modifier=".cg")
-                        ssq += tl.load(ssq_ptr + theirs * BM + tl.arange(0, BM), cache_modifier=".cg")
-                # every program of this tile has counted: ready for the next call
-                tl.store(count_ptr + tile, 0)
-        if last:
-            out_at = out_ptr + rm[:, None].to(tl.int64) * s_om + rn[None, :]
-            o_mask = m_ok[:, None] & n_ok[None, :]
-            if EPILOGUE == 1:
-                acc += tl.load(out_at, mask=o_mask, other=0.0).to(tl.float32)
-            if EPILOGUE == 2:
-                scale = 1.0 / tl.sqrt(ssq / K + eps)
-                gate = acc * scale[:, None]
-                acc = gate / (1.0 + tl.exp(-gate)) * (acc_up * scale[:, None])
-            tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
-
-    return skinny_gemm
-
-
-@cache
-def _kernel() -> Any:
-    return make_kernel()
+    return _tile_gemm.skinny_gemm
 
 
 _BUFFERS: dict[tuple[Any, ...], torch.Tensor] = {}
@@ -234,7 +162,7 @@ def gemm(
     )
     ssq = _buffer(a.device, torch.float32, p.split * p.tiles * p.block_m if p.split > 1 and parts == 2 else 0)
     counters = _buffer(a.device, torch.int32, p.tiles)
-    (kernel or _kernel())[(p.tiles, p.split)](
+    (kernel or make_kernel())[(p.tiles, p.split)](
         a, w, out, partials, ssq, counters, m, n, k, a.stride(0), w.stride(0), out.stride(0),
         p.k_per_split, eps, EPILOGUE=EPILOGUES[epilogue], SPLIT=p.split, BM=p.block_m,
         BN=config.block_n, BK=config.block_k, num_warps=config.warps, num_stages=config.stages,
