@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from megalith.common.errors import ConfigError
-from megalith.testing import run_python
+from megalith.testing import run_triton
 from megalith_chat.engine.fast import FastEngine, FastEngineConfig
 from megalith_chat.engine.fast_rollout import FastGenerator, StopStrings
 from megalith_chat.engine.sampling import SamplingParams, nucleus_mask
@@ -236,8 +236,7 @@ def test_unknown_parameter_rejected(engine: FastEngine) -> None:
 def in_interpreter(script: str, timeout: float = 120) -> str:
     """stdout of ``script`` run by a fresh Python with the Triton interpreter on (the interpreter
     must be chosen before Triton is first imported); fails the test if the script fails."""
-    pytest.importorskip("triton")
-    return run_python(script, {"TRITON_INTERPRET": "1"}, timeout)
+    return run_triton(script, True, timeout)
 
 
 CHECK_KERNEL = """
@@ -663,8 +662,7 @@ print(json.dumps({"loads": len(re.findall(r"cp[.]async[.][^;]*global[^;]*;", tex
 def test_decode_attention_compiles_for_hopper() -> None:
     """Compiled for an H100/H200 (sm_90, no GPU needed): the decode attention's cache loads (k and
     v) are pipelined as asynchronous copies."""
-    pytest.importorskip("triton")
     import json
 
-    got = json.loads(run_python(HOPPER_PTX, {"TRITON_INTERPRET": None}).strip().splitlines()[-1])
+    got = json.loads(run_triton(HOPPER_PTX, False).strip().splitlines()[-1])
     assert got["loads"] >= 2  # k and v pipelined

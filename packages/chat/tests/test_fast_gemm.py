@@ -9,15 +9,13 @@ import pytest
 import torch
 
 from megalith.common.errors import ConfigError
-from megalith.testing import run_python
+from megalith.testing import run_triton
 from megalith_chat.engine.fast_gemm import GemmConfig, gemm, plan
 
 
 def _python(script: str, interpret: bool) -> str:
     """The last stdout line of ``script`` in a fresh interpreter, the Triton interpreter on or off."""
-    pytest.importorskip("triton")
-    out = run_python(script, {"TRITON_INTERPRET": "1" if interpret else None}, timeout=600)
-    return out.strip().splitlines()[-1]
+    return run_triton(script, interpret).strip().splitlines()[-1]
 
 
 CHECK = """

@@ -2,7 +2,15 @@
 Only tests import this."""
 
 from megalith.testing.compare import assert_states_close, max_abs_diff, state_of
-from megalith.testing.script import run_python
+from megalith.testing.script import run_python, run_triton
 from megalith.testing.spawn import free_port, run_distributed
 
-__all__ = ["assert_states_close", "free_port", "max_abs_diff", "run_distributed", "run_python", "state_of"]
+__all__ = [
+    "assert_states_close",
+    "free_port",
+    "max_abs_diff",
+    "run_distributed",
+    "run_python",
+    "run_triton",
+    "state_of",
+]

@@ -22,3 +22,12 @@ def run_python(script: str, env: dict[str, str | None] | None = None, timeout: f
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout
+
+
+def run_triton(script: str, interpret: bool, timeout: float = 600) -> str:
+    """stdout of ``script`` (:func:`run_python`) with the Triton interpreter on (kernels run on the
+    CPU) or off (e.g. to compile for a GPU that is not there); skips the test without Triton."""
+    import pytest
+
+    pytest.importorskip("triton")
+    return run_python(script, {"TRITON_INTERPRET": "1" if interpret else None}, timeout)
