@@ -38,24 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import card, write_result
 from gpu_decode_gemm import HIDDEN, INTER, LAYERS, parse_config, time_graph
+from gpu_generate import copy_bandwidth
 
 CONFIGS = "32x128w4s4,16x128w4s4,32x64w4s4,64x64w4s4,64x128w8s3"
-
-
-def copy_bandwidth(gib: float = 2.0) -> float:
-    """Bytes per second of a device-to-device copy (read + write) of ``gib`` GiB."""
-    import torch
-
-    src = torch.empty(int(gib * 2**30), dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3)
 
 
 def block_ab(x0: Any, w: Any, kw: dict[str, Any]) -> dict[str, Any]:
@@ -140,7 +125,7 @@ def main() -> None:
         torch.randn(LAYERS, h, i, **kw) * 0.01,
     )
     weight_bytes = sum(t.numel() * t.element_size() for t in (w.qkv, w.o, w.gate_up, w.down)) / LAYERS
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth("cuda", 2.0)
     result: dict[str, Any] = {
         "unit": "microseconds per layer (graph replay over 24 layers / 24)",
         "copy_bandwidth_Bps": bandwidth,

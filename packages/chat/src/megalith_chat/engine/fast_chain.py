@@ -116,11 +116,6 @@ def cut(
     return out
 
 
-def plans(weights: ChainWeights, rows: int, configs: dict[str, GemmConfig], programs: int) -> dict[str, Plan]:
-    """:func:`cut` of the chain's four projections."""
-    return cut(weights.shapes(), rows, configs, programs)
-
-
 @dataclass
 class ChainBuffers:
     """Scratch of one ``(weights, rows, configs, programs)``: kept, so a CUDA graph can capture calls."""
@@ -163,9 +158,12 @@ def _buffers(weights: ChainWeights, rows: int, p: dict[str, Plan], block_n: dict
     return _BUFFERS[key]
 
 
+# the fastest tile of ``benchmarks/results/gpu_decode_chain_h100.json`` (64 and 32 rows)
+DEFAULT_TILE = GemmConfig(block_n=32, block_k=128, stages=4)
+
+
 def default_configs() -> dict[str, GemmConfig]:
-    """The fastest tile of ``benchmarks/results/gpu_decode_chain_h100.json`` (64 and 32 rows)."""
-    return dict.fromkeys(PHASES, GemmConfig(block_n=32, block_k=128, stages=4))
+    return dict.fromkeys(PHASES, DEFAULT_TILE)
 
 
 def run_chain(
@@ -205,7 +203,7 @@ def run_chain(
         not x.is_cuda or x.dtype != torch.bfloat16 or weights.hidden % 8 or weights.inter % 8
     ):
         raise ConfigError("prefetch needs bf16 weights on a CUDA device with hidden and inter multiples of 8")
-    p = plans(weights, rows, configs, programs)
+    p = cut(weights.shapes(), rows, configs, programs)
     block_n = {name: c.block_n for name, c in configs.items()}
     buf = _buffers(weights, rows, p, block_n)
     buf.sync.zero_()
@@ -285,7 +283,7 @@ def mlp_block(
             raise ConfigError(f"mlp_block: {name} is {t.dtype} on {t.device}, x {x.dtype} on {x.device}")
     if not 1 <= rows <= 64:
         raise ConfigError(f"mlp_block takes 1-64 rows (one row tile), got {rows}")
-    configs = {**dict.fromkeys(BLOCK_PHASES, default_configs()["o"]), **(configs or {})}
+    configs = {**dict.fromkeys(BLOCK_PHASES, DEFAULT_TILE), **(configs or {})}
     if set(configs) != set(BLOCK_PHASES):
         raise ConfigError(f"configs are keyed by {BLOCK_PHASES}, got {sorted(configs)}")
     programs = _programs(x, programs)
