@@ -128,11 +128,12 @@ def _megalith(
     opt = FusedAdamW(model.parameters(), lr=1e-4, weight_decay=0.1, multi_tensor=multi_tensor)
     model, opt, *_ = booster.boost(model, opt)
 
-    def step(ids: torch.Tensor) -> float:
+    def step(ids: torch.Tensor, zero: bool = True) -> float:
         loss = model(input_ids=ids, labels=ids).loss
         booster.backward(loss, opt)
         opt.step()
-        opt.zero_grad()
+        if zero:  # (a step captured in a CUDA graph keeps its gradient buffers)
+            opt.zero_grad()
         return loss
 
     weights = {"bf16": "bf16 + fp32 masters", "bf16-true": "bf16"}.get(precision, precision)

@@ -15,7 +15,12 @@ in between. Variants:
 - ``megalith_cdt``: megalith with Inductor's coordinate-descent tuning of its generated kernels
   (``TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1``: the residual adds, norms and casts the compiler
   writes, about a tenth of the step, get their block sizes searched; longer warm-up);
-- ``*_expandable``: the same with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
+- ``*_expandable``: the same with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``;
+- ``megalith_torchadam``: megalith with torch's ``AdamW(fused=True, capturable=True)`` instead of
+  `megalith.kernels.FusedAdamW`;
+- ``*_stepgraph``: the whole step (forward, backward, optimizer step) captured in one
+  ``torch.cuda.CUDAGraph`` after three eager steps on a side stream and replayed on a static input
+  batch (``megalith_stepgraph``: with ``FusedAdamW(multi_tensor=True, capturable=True)``).
 
     python benchmarks/gpu_train_ab.py --variants hf_liger megalith megalith_ce2048 --rounds 2
     python benchmarks/gpu_train_ab.py --device cpu --tiny --rounds 1   # smoke test
@@ -38,7 +43,9 @@ from _common import emit_result, result_name, run_child, write_result
 
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 COORDINATE_DESCENT = {"TORCHINDUCTOR_COORDINATE_DESCENT_TUNING": "1"}
-VARIANT = re.compile(r"^(hf_liger|megalith)(?:_ce(\d+))?(_nocache)?(_graphs)?(_cdt)?(_expandable)?$")
+VARIANT = re.compile(
+    r"^(hf_liger|megalith)(?:_ce(\d+))?(_nocache)?(_graphs)?(_cdt)?(_torchadam)?(_stepgraph)?(_expandable)?$"
+)
 
 
 class Variant(NamedTuple):
@@ -47,21 +54,26 @@ class Variant(NamedTuple):
     no_cache: bool  # use_cache=False in every loss forward
     graphs: bool  # Inductor's CUDA graphs around the compiled forward and backward
     env: dict[str, str]  # added to the process environment
+    torch_adam: bool = False  # torch AdamW(fused, capturable) instead of FusedAdamW
+    step_graph: bool = False  # the whole step in one CUDA graph (needs torch_adam)
 
 
 def parse_variant(name: str) -> Variant:
     """What a variant name asks for; an unknown name is an ArgumentTypeError naming it."""
     match = VARIANT.match(name)
-    if match is None or (match.group(1) == "hf_liger" and any(match.group(i) for i in (2, 3, 4, 5))):
+    if match is None or (match.group(1) == "hf_liger" and any(match.group(i) for i in (2, 3, 4, 5, 6, 7))):
         raise argparse.ArgumentTypeError(
             f"unknown variant {name!r}: use hf_liger[_expandable] or "
-            "megalith[_ce<rows>][_nocache][_graphs][_cdt][_expandable]"
+            "megalith[_ce<rows>][_nocache][_graphs][_cdt][_torchadam][_stepgraph][_expandable]"
         )
     rows = int(match.group(2)) if match.group(2) else None
     if rows == 0:
         raise argparse.ArgumentTypeError(f"variant {name!r}: the chunk must have at least one row")
-    env = (COORDINATE_DESCENT if match.group(5) else {}) | (EXPANDABLE if match.group(6) else {})
-    return Variant(match.group(1), rows, bool(match.group(3)), bool(match.group(4)), env)
+    env = (COORDINATE_DESCENT if match.group(5) else {}) | (EXPANDABLE if match.group(8) else {})
+    return Variant(
+        match.group(1), rows, bool(match.group(3)), bool(match.group(4)), env,
+        bool(match.group(6)), bool(match.group(7)),
+    )  # fmt: skip
 
 
 def child(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -78,6 +90,8 @@ def child(name: str, args: argparse.Namespace) -> dict[str, Any]:
         kernels._causal_lm_forward = lambda self, *a, **kw: loss_forward(
             self, *a, **{"use_cache": False, **kw}
         )
+    if variant.torch_adam or variant.step_graph:
+        _patch_step(variant.torch_adam, variant.step_graph)
     if variant.graphs:
         import torch._inductor.config as inductor_config
         from torch._dynamo.utils import counters
@@ -86,6 +100,55 @@ def child(name: str, args: argparse.Namespace) -> dict[str, Any]:
         row = gpu_train.child(variant.system, args)
         return {"variant": name, **row, "cudagraph_skips": dict(counters["inductor"])}
     return {"variant": name, **gpu_train.child(variant.system, args)}
+
+
+def _patch_step(torch_adam: bool, step_graph: bool) -> None:
+    """Make gpu_train's megalith system step with torch's fused capturable AdamW (`torch_adam`) or
+    a capturable FusedAdamW, and with `step_graph` replay the whole step from one CUDA graph."""
+    import torch
+
+    import megalith.kernels
+
+    fused = megalith.kernels.FusedAdamW
+    megalith.kernels.FusedAdamW = (  # type: ignore[misc]
+        (
+            lambda params, multi_tensor=False, **kw: torch.optim.AdamW(
+                params, fused=True, capturable=True, **kw
+            )
+        )
+        if torch_adam
+        else (lambda params, **kw: fused(params, capturable=True, **kw))
+    )
+    build = gpu_train._megalith
+
+    def graphed(*a: Any, **kw: Any) -> tuple[Any, Any, Any]:
+        model, step, info = build(*a, **kw)
+        name = "torch AdamW(fused, capturable)" if torch_adam else info["optimizer"] + " (capturable)"
+        info = info | {"optimizer": name, "step_graph": step_graph}
+        if not step_graph:
+            return model, step, info
+        captured: dict[str, Any] = {}
+
+        def replay(ids: torch.Tensor) -> Any:
+            if not captured:
+                captured["ids"] = ids.clone()
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(3):
+                        step(captured["ids"])
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    captured["loss"] = step(captured["ids"], zero=False)
+                captured["graph"] = graph
+            captured["ids"].copy_(ids)
+            captured["graph"].replay()
+            return captured["loss"]
+
+        return model, replay, info
+
+    gpu_train._megalith = graphed
 
 
 def run_rounds(args: argparse.Namespace) -> list[dict[str, Any]]:

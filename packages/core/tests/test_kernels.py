@@ -234,19 +234,24 @@ def accesses(fn, sig, consts, aligned):
     return {k: len(re.findall(p, ptx)) for k, p in (("v4", r"(ld|st)[.]global[.]v4"), ("b16", r"(ld|st)[.]global[.]b16"))}
 
 f32 = ["lr", "beta1", "beta2", "eps", "weight_decay", "step_size", "bc2_sqrt"]
-one = {"P": "*bf16", "G": "*bf16", "M": "*bf16", "V": "*bf16", "n": "i32", **dict.fromkeys(f32, "fp32")}
-multi = {"ADDRS": "*i64", "BLOCK_TENSOR": "*i64", "BLOCK_START": "*i64", "NUMELS": "*i64", **dict.fromkeys(f32, "fp32")}
-print(json.dumps({
-    "one": accesses(K.adamw_kernel, one, {"BLOCK": 4096}, range(5)),
-    "multi": accesses(K.adamw_multi_kernel, multi, {"P_TY": tl.bfloat16, "S_TY": tl.bfloat16, "BLOCK": 4096}, range(4)),
-}))
+one = {"P": "*bf16", "G": "*bf16", "M": "*bf16", "V": "*bf16", "n": "i32", **dict.fromkeys(f32, "fp32"),
+       "STEP": "*fp32", "LR": "*fp32"}
+multi = {"ADDRS": "*i64", "BLOCK_TENSOR": "*i64", "BLOCK_START": "*i64", "NUMELS": "*i64", **dict.fromkeys(f32, "fp32"),
+         "LR": "*fp32"}
+out = {}
+for captured in (False, True):
+    out[f"one{captured:d}"] = accesses(K.adamw_kernel, one, {"BLOCK": 4096, "CAPTURED": captured}, range(5))
+    out[f"multi{captured:d}"] = accesses(
+        K.adamw_multi_kernel, multi, {"P_TY": tl.bfloat16, "S_TY": tl.bfloat16, "BLOCK": 4096, "CAPTURED": captured},
+        range(4))
+print(json.dumps(out))
 """
 
 
 @pytest.mark.skipif(not triton_available(), reason="needs triton (shipped with torch on Linux)")
 def test_multi_tensor_adamw_compiles_to_vector_accesses():
     """Compiled for an H100/H200 (sm_90, PTX only: no GPU needed), the multi-tensor AdamW kernel,
-    whose addresses come from a table, uses the per-tensor kernel's 16-byte accesses and no 16-bit
+    whose addresses come from a table, and both kernels' captured forms use the per-tensor kernel's 16-byte accesses and no 16-bit
     scalar ones (without its alignment hints: 16-bit scalar accesses, which cost ~9 ms per step of
     the 1.1B benchmark on an H200)."""
     import json
@@ -259,8 +264,9 @@ def test_multi_tensor_adamw_compiles_to_vector_accesses():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     counts = json.loads(out.stdout.strip().splitlines()[-1])
-    assert counts["one"]["v4"] > 0 and counts["one"]["b16"] == 0, counts
-    assert counts["multi"] == counts["one"], counts
+    assert counts["one0"]["v4"] > 0 and counts["one0"]["b16"] == 0, counts
+    # the table-driven and the captured forms (step and lr read from memory) access alike
+    assert counts["multi0"] == counts["one1"] == counts["multi1"] == counts["one0"], counts
 
 
 # -- fused linear cross-entropy ----------------------------------------------------------------------
@@ -348,6 +354,49 @@ def test_fused_adamw_matches_torch_adamw(backend, weight_decay, multi_tensor, mo
     assert batched == ([2] * 3 if multi_tensor and backend == "triton" else [])
     with pytest.raises(ConfigError, match="betas"):
         FusedAdamW(ours, betas=(0.9, 1.5))
+
+
+@pytest.mark.parametrize("multi_tensor", [False, True])
+def test_capturable_fused_adamw_matches_torch_adamw_with_a_changing_tensor_lr(backend, multi_tensor, monkeypatch):
+    """`capturable=True`: step counts on the parameters' device, lr and the bias corrections read
+    from device memory; a tensor lr changed in place between steps (as a scheduler does) is used,
+    a float lr too; every step is torch's AdamW."""
+    from megalith.kernels import adamw
+
+    batched: list[int] = []
+    multi = adamw._triton_adamw_multi_captured
+    monkeypatch.setattr(
+        adamw, "_triton_adamw_multi_captured", lambda ps, *a: (batched.append(len(ps)), multi(ps, *a))
+    )
+    torch.manual_seed(0)
+    shapes = [(16, 8), (48,), (5,), (33, 7)]
+    ours = [torch.randn(s, device=DEVICE) for s in shapes] + [torch.randn(3, 4, device=DEVICE).t()]
+    ref = [p.clone() for p in ours]
+    lr = torch.tensor(0.1, device=DEVICE)
+    opt = FusedAdamW(
+        [{"params": ours[:3], "lr": lr}, {"params": ours[3:], "lr": 0.05}],
+        betas=(0.8, 0.999), eps=1e-6, weight_decay=0.1, multi_tensor=multi_tensor, capturable=True,
+    )  # fmt: skip
+    torch_opt = torch.optim.AdamW(
+        [{"params": ref[:3], "lr": 0.1}, {"params": ref[3:], "lr": 0.05}], betas=(0.8, 0.999), eps=1e-6,
+        weight_decay=0.1,
+    )  # fmt: skip
+    for step, rate in enumerate((0.1, 0.02, 0.3, 0.07)):
+        lr.fill_(rate)
+        torch_opt.param_groups[0]["lr"] = rate
+        for a, b in zip(ours, ref, strict=True):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        opt.step()
+        torch_opt.step()
+        for a, b in zip(ours, ref, strict=True):
+            _close(a, b, 1e-5, f"param after step {step + 1}")
+    for a, b in zip(ours, ref, strict=True):
+        assert opt.state[a]["step"].device == a.device and float(opt.state[a]["step"]) == 4.0
+        _close(opt.state[a]["exp_avg"], torch_opt.state[b]["exp_avg"], 1e-5, "exp_avg")
+        _close(opt.state[a]["exp_avg_sq"], torch_opt.state[b]["exp_avg_sq"], 1e-5, "exp_avg_sq")
+    # numel % 16 == 0 and contiguous: (16, 8) and (48,) of the first group in one launch per step
+    assert batched == ([2] * 4 if multi_tensor and backend == "triton" else [])
 
 
 def test_fused_adamw_refuses_unsupported_group_options_by_name():

@@ -186,28 +186,51 @@ def _adamw_block(P, G, M, V, offs, mask, lr, beta1, beta2, eps, weight_decay, st
 
 @triton.jit
 def adamw_kernel(
-    P, G, M, V, n, lr, beta1, beta2, eps, weight_decay, step_size, bc2_sqrt, BLOCK: tl.constexpr
-):
-    """`_adamw_block` over one tensor, a block per program."""
+    P, G, M, V, n, lr, beta1, beta2, eps, weight_decay, step_size, bc2_sqrt, BLOCK: tl.constexpr,
+    STEP=None, LR=None, CAPTURED: tl.constexpr = False,
+):  # fmt: skip
+    """`_adamw_block` over one tensor, a block per program; `CAPTURED`: lr and the bias
+    corrections from the device (`_captured_hyper`) instead of the scalar arguments."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if CAPTURED:
+        lr, step_size, bc2_sqrt = _captured_hyper(STEP, LR, beta1, beta2)
     _adamw_block(P, G, M, V, offs, offs < n, lr, beta1, beta2, eps, weight_decay, step_size, bc2_sqrt)
+
+
+@triton.jit
+def _captured_hyper(STEP, LR, beta1, beta2):
+    """(lr, lr / (1 − β₁ᵗ), √(1 − β₂ᵗ)) with the step t and lr read from device memory, so that a
+    launch recorded in a CUDA graph uses the values of each replay (fp32, as torch's capturable
+    AdamW computes them)."""
+    t = tl.load(STEP).to(tl.float32)
+    lr = tl.load(LR).to(tl.float32)
+    bc1 = 1.0 - tl.exp2(t * tl.log2(beta1))
+    bc2 = 1.0 - tl.exp2(t * tl.log2(beta2))
+    return lr, lr / bc1, tl.sqrt(bc2)
 
 
 @triton.jit
 def adamw_multi_kernel(
     ADDRS, BLOCK_TENSOR, BLOCK_START, NUMELS, lr, beta1, beta2, eps, weight_decay, step_size, bc2_sqrt,
-    P_TY: tl.constexpr, S_TY: tl.constexpr, BLOCK: tl.constexpr,
+    P_TY: tl.constexpr, S_TY: tl.constexpr, BLOCK: tl.constexpr, LR=None, CAPTURED: tl.constexpr = False,
 ):  # fmt: skip
     """`_adamw_block` over many tensors in one launch: program i updates block BLOCK_START[i] of
     tensor BLOCK_TENSOR[i], whose p, g, m, v addresses are row t of ADDRS [T, 4] (p, g of dtype
     P_TY; m, v of S_TY). The caller guarantees 16-byte aligned addresses and numels divisible by
-    16; the hints say so, without them the compiler cannot vectorise (16-bit scalar accesses)."""
+    16; the hints say so, without them the compiler cannot vectorise (16-bit scalar accesses).
+    `CAPTURED`: rows of 5, the fifth the address of the tensor's float32 step count, and lr read
+    from `LR` (`_captured_hyper`)."""
     pid = tl.program_id(0)
     t = tl.load(BLOCK_TENSOR + pid).to(tl.int64)
     n = tl.multiple_of(tl.load(NUMELS + t), 16)
     offs = tl.multiple_of(tl.load(BLOCK_START + pid), BLOCK) + tl.arange(0, BLOCK)
-    P = tl.multiple_of(tl.load(ADDRS + 4 * t).to(tl.pointer_type(P_TY)), 16)
-    G = tl.multiple_of(tl.load(ADDRS + 4 * t + 1).to(tl.pointer_type(P_TY)), 16)
-    M = tl.multiple_of(tl.load(ADDRS + 4 * t + 2).to(tl.pointer_type(S_TY)), 16)
-    V = tl.multiple_of(tl.load(ADDRS + 4 * t + 3).to(tl.pointer_type(S_TY)), 16)
+    row = ADDRS + (5 if CAPTURED else 4) * t
+    P = tl.multiple_of(tl.load(row).to(tl.pointer_type(P_TY)), 16)
+    G = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(P_TY)), 16)
+    M = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(S_TY)), 16)
+    V = tl.multiple_of(tl.load(row + 3).to(tl.pointer_type(S_TY)), 16)
+    if CAPTURED:
+        lr, step_size, bc2_sqrt = _captured_hyper(
+            tl.load(row + 4).to(tl.pointer_type(tl.float32)), LR, beta1, beta2
+        )
     _adamw_block(P, G, M, V, offs, offs < n, lr, beta1, beta2, eps, weight_decay, step_size, bc2_sqrt)

@@ -21,6 +21,9 @@ from megalith.kernels.registry import get_kernel, pick_backend
 _torch_adamw = get_kernel("adamw", "torch")
 _triton_adamw = get_kernel("adamw", "triton")
 _triton_adamw_multi = get_kernel("adamw_multi", "triton")
+_torch_adamw_captured = get_kernel("adamw_captured", "torch")
+_triton_adamw_captured = get_kernel("adamw_captured", "triton")
+_triton_adamw_multi_captured = get_kernel("adamw_multi_captured", "triton")
 
 
 def adamw_step(
@@ -80,7 +83,13 @@ class FusedAdamW(torch.optim.Optimizer):
     in one launch over a table of addresses instead of one launch per tensor. Its kernel compiles
     to the same 16-byte vector accesses as the per-tensor one (checked on the PTX by the tests).
     On the 1.1B benchmark (H200) it was within noise of the per-tensor path (75.2k vs 75.05k
-    tokens/s), so it is not the default."""
+    tokens/s), so it is not the default.
+
+    `capturable=True` (as torch's AdamW): the step counts live on the parameters' device and the
+    kernels read them, and lr, from device memory, so a step recorded in a CUDA graph is correct at
+    every replay and the host never waits for the device. A float lr is baked into a recording;
+    a one-element tensor lr on the parameters' device (which `LRScheduler`s update in place) is
+    read at every replay."""
 
     def __init__(
         self,
@@ -90,11 +99,13 @@ class FusedAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         multi_tensor: bool = False,
+        capturable: bool = False,
     ) -> None:
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         check_group(defaults, "")
         super().__init__(params, defaults)  # checks every group through add_param_group
         self.multi_tensor = multi_tensor
+        self.capturable = capturable
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's `add_param_group`, after `check_group` of the group with the defaults filled in."""
@@ -117,7 +128,8 @@ class FusedAdamW(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            hyper = (float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"])
+            lr = group["lr"]
+            hyper = (0.0 if self.capturable else float(lr), beta1, beta2, group["eps"], group["weight_decay"])
             todo: list[tuple[torch.Tensor, ...]] = []
             for p in group["params"]:
                 if p.grad is None:
@@ -129,10 +141,51 @@ class FusedAdamW(torch.optim.Optimizer):
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if self.capturable and state["step"].device != p.device:  # new, or loaded on the host
+                    state["step"] = state["step"].to(p.device, torch.float32)
                 todo.append((p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"]))
-            if todo:
+            if todo and self.capturable:
+                _update_captured(todo, hyper, lr, self.multi_tensor)
+            elif todo:
                 _update(todo, hyper, self.multi_tensor)
         return loss
+
+
+def _update_captured(
+    todo: list[tuple[torch.Tensor, ...]],
+    hyper: tuple[float, float, float, float, float],
+    lr: float | torch.Tensor,
+    multi_tensor: bool,
+) -> None:
+    """`_update` with no host read of a device value: the step counts advance on the device and
+    the kernels read them and lr from there."""
+    torch._foreach_add_([t[4] for t in todo], 1.0)
+    lrs: dict[torch.device, torch.Tensor] = {}
+    batches: dict[tuple[Any, ...], list[tuple[torch.Tensor, ...]]] = {}
+    for p, g, m, v, step in todo:
+        if p.device not in lrs:
+            lrs[p.device] = (
+                lr.to(p.device, torch.float32).reshape(())
+                if isinstance(lr, torch.Tensor)
+                else torch.full((), lr, dtype=torch.float32, device=p.device)
+            )
+        on_triton = pick_backend(p, g, m, v) == "triton"
+        kind = (p.device, p.dtype, m.dtype)
+        if (
+            on_triton
+            and multi_tensor
+            and g.dtype == p.dtype
+            and v.dtype == m.dtype
+            and multi_tensor_ok(p, g, m, v)
+        ):
+            batches.setdefault(kind, []).append((p, g, m, v, step))
+        elif on_triton and all(t.is_contiguous() for t in (p, g, m, v)):
+            _triton_adamw_captured(p, g, m, v, hyper, step, lrs[p.device])
+        else:
+            _torch_adamw_captured(p, g, m, v, hyper, step, lrs[p.device])
+    for kind, batch in batches.items():
+        ps, gs, ms, vs, steps = (list(t) for t in zip(*batch, strict=True))
+        _triton_adamw_multi_captured(ps, gs, ms, vs, steps, hyper, lrs[kind[0]])
 
 
 def _update(

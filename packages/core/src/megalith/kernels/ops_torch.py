@@ -106,3 +106,25 @@ def adamw_(
     v.mul_(beta2).addcmul_(g.to(v.dtype), g.to(v.dtype), value=1 - beta2)
     denom = (v.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
     p.addcdiv_(m, denom, value=-lr / (1 - beta1**step))
+
+
+@register_kernel("adamw_captured", "torch")
+def adamw_captured_(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    hyper: tuple[float, float, float, float, float],
+    step: torch.Tensor,
+    lr: torch.Tensor,
+) -> None:
+    """`adamw_` with the step count and lr as tensors (no host value that changes per step)."""
+    _, beta1, beta2, eps, wd = hyper
+    lr = lr.to(p.dtype)
+    p.mul_(1 - lr * wd)
+    m.lerp_(g.to(m.dtype), 1 - beta1)
+    v.mul_(beta2).addcmul_(g.to(v.dtype), g.to(v.dtype), value=1 - beta2)
+    bc1 = 1 - torch.pow(beta1, step)
+    bc2 = 1 - torch.pow(beta2, step)
+    denom = (v.sqrt() / bc2.sqrt().to(v.dtype)).add_(eps)
+    p.sub_(m / denom * (lr / bc1.to(p.dtype)))

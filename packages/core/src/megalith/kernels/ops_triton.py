@@ -174,6 +174,28 @@ def adamw_(
     )  # fmt: skip
 
 
+@register_kernel("adamw_captured", "triton")
+def adamw_captured_(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    hyper: tuple[float, float, float, float, float],
+    step: torch.Tensor,
+    lr: torch.Tensor,
+) -> None:
+    """`adamw_` with the step count (`step`, float32, already advanced) and lr (`lr`, one element)
+    read from device memory: nothing of the launch depends on host values that change per step."""
+    tl_ = _tl()
+    _, beta1, beta2, eps, wd = hyper
+    n = p.numel()
+    block = 1024 if interpret_mode() else 4096
+    tl_.adamw_kernel[(-(-n // block),)](
+        p, g, m, v, n, 0.0, beta1, beta2, eps, wd, 0.0, 1.0, BLOCK=block, STEP=step, LR=lr,
+        CAPTURED=True, num_warps=8 if block >= 4096 else 4,
+    )  # fmt: skip
+
+
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
     """An int64 table on `device` without a host sync (pinned staging: torch's host allocator keeps
     the pinned block until the copy has run)."""
@@ -221,4 +243,44 @@ def adamw_multi_(
         addrs, owner, start, numels, lr, beta1, beta2, eps, wd, lr / (1 - beta1**step),
         math.sqrt(1 - beta2**step), P_TY=ty[ps[0].dtype], S_TY=ty[ms[0].dtype], BLOCK=block,
         num_warps=8 if block >= 4096 else 4,
+    )  # fmt: skip
+
+
+@lru_cache(maxsize=64)
+def _captured_table(addrs: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (p, g, m, v, step) address table on `device`, and its pinned host copy: the table is
+    built once per set of addresses (a replayed CUDA graph reads the same buffers), and the host
+    copy stays alive with it, so a copy recorded in a graph reads valid memory at every replay."""
+    host = torch.tensor(addrs, dtype=torch.int64)
+    if device.type != "cuda":
+        return host, host
+    host = host.pin_memory()
+    return host, host.to(device, non_blocking=True)
+
+
+@register_kernel("adamw_multi_captured", "triton")
+def adamw_multi_captured_(
+    ps: list[torch.Tensor],
+    gs: list[torch.Tensor],
+    ms: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    hyper: tuple[float, float, float, float, float],
+    lr: torch.Tensor,
+) -> None:
+    """`adamw_multi_` with each tensor's step count and the group's lr read from device memory
+    (see `adamw_captured_`)."""
+    import triton.language as tl
+
+    tl_ = _tl()
+    _, beta1, beta2, eps, wd = hyper
+    block = 1024 if interpret_mode() else 4096
+    device = ps[0].device
+    owner, start, numels = _block_tables(tuple(p.numel() for p in ps), block, device)
+    rows = tuple(t.data_ptr() for five in zip(ps, gs, ms, vs, steps, strict=True) for t in five)
+    addrs = _captured_table(rows, device)[1]
+    ty = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+    tl_.adamw_multi_kernel[(owner.numel(),)](
+        addrs, owner, start, numels, 0.0, beta1, beta2, eps, wd, 0.0, 1.0, P_TY=ty[ps[0].dtype],
+        S_TY=ty[ms[0].dtype], BLOCK=block, LR=lr, CAPTURED=True, num_warps=8 if block >= 4096 else 4,
     )  # fmt: skip
