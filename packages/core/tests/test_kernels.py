@@ -357,7 +357,9 @@ def test_fused_adamw_matches_torch_adamw(backend, weight_decay, multi_tensor, mo
 
 
 @pytest.mark.parametrize("multi_tensor", [False, True])
-def test_capturable_fused_adamw_matches_torch_adamw_with_a_changing_tensor_lr(backend, multi_tensor, monkeypatch):
+def test_capturable_fused_adamw_matches_torch_adamw_with_a_changing_tensor_lr(
+    backend, multi_tensor, monkeypatch
+):
     """`capturable=True`: step counts on the parameters' device, lr and the bias corrections read
     from device memory; a tensor lr changed in place between steps (as a scheduler does) is used,
     a float lr too; every step is torch's AdamW."""
