@@ -55,7 +55,7 @@ class Variant(NamedTuple):
     graphs: bool  # Inductor's CUDA graphs around the compiled forward and backward
     env: dict[str, str]  # added to the process environment
     torch_adam: bool = False  # torch AdamW(fused, capturable) instead of FusedAdamW
-    step_graph: bool = False  # the whole step in one CUDA graph (needs torch_adam)
+    step_graph: bool = False  # the whole step in one CUDA graph (capturable optimizer)
 
 
 def parse_variant(name: str) -> Variant:
