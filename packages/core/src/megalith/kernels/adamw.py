@@ -151,6 +151,49 @@ class FusedAdamW(torch.optim.Optimizer):
         return loss
 
 
+def _route(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    backends: dict[tuple[Any, ...], str],
+    multi_tensor: bool,
+) -> str:
+    """Where the update of one tensor runs: "multi" (a multi-tensor launch, with `multi_tensor`, for
+    the tensors `multi_tensor_ok` accepts), "triton" (one launch) or "torch" (the fallback);
+    `backends` caches `pick_backend` per (device, dtypes)."""
+    kind = (p.device, p.dtype, g.dtype, m.dtype, v.dtype)
+    if kind not in backends:
+        backends[kind] = pick_backend(p, g, m, v)
+    if backends[kind] != "triton":
+        return "torch"
+    if multi_tensor and g.dtype == p.dtype and v.dtype == m.dtype and multi_tensor_ok(p, g, m, v):
+        return "multi"
+    return "triton" if all(t.is_contiguous() for t in (p, g, m, v)) else "torch"
+
+
+def _update(
+    todo: list[tuple[torch.Tensor, ...]], hyper: tuple[float, float, float, float, float], multi_tensor: bool
+) -> None:
+    """Step every (p, g, m, v, step) of one group: one launch per (device, dtypes, step) for the
+    tensors routed to "multi", one launch (or torch fallback) per tensor otherwise (`_route`)."""
+    torch._foreach_add_([t[4] for t in todo], 1.0)
+    backends: dict[tuple[Any, ...], str] = {}
+    batches: dict[tuple[Any, ...], list[tuple[torch.Tensor, ...]]] = {}
+    for p, g, m, v, step_t in todo:
+        step = int(step_t.item())
+        route = _route(p, g, m, v, backends, multi_tensor)
+        if route == "multi":
+            batches.setdefault((p.device, p.dtype, m.dtype, step), []).append((p, g, m, v))
+        elif route == "triton":
+            _triton_adamw(p, g, m, v, hyper, step)
+        else:
+            _torch_adamw(p, g, m, v, hyper, step)
+    for key, batch in batches.items():
+        ps, gs, ms, vs = (list(t) for t in zip(*batch, strict=True))
+        _triton_adamw_multi(ps, gs, ms, vs, hyper, key[-1])
+
+
 def _update_captured(
     todo: list[tuple[torch.Tensor, ...]],
     hyper: tuple[float, float, float, float, float],
@@ -158,9 +201,10 @@ def _update_captured(
     multi_tensor: bool,
 ) -> None:
     """`_update` with no host read of a device value: the step counts advance on the device and
-    the kernels read them and lr from there."""
+    the kernels read them and lr from there, so the batches need no step in their key."""
     torch._foreach_add_([t[4] for t in todo], 1.0)
     lrs: dict[torch.device, torch.Tensor] = {}
+    backends: dict[tuple[Any, ...], str] = {}
     batches: dict[tuple[Any, ...], list[tuple[torch.Tensor, ...]]] = {}
     for p, g, m, v, step in todo:
         if p.device not in lrs:
@@ -169,52 +213,13 @@ def _update_captured(
                 if isinstance(lr, torch.Tensor)
                 else torch.full((), lr, dtype=torch.float32, device=p.device)
             )
-        on_triton = pick_backend(p, g, m, v) == "triton"
-        kind = (p.device, p.dtype, m.dtype)
-        if (
-            on_triton
-            and multi_tensor
-            and g.dtype == p.dtype
-            and v.dtype == m.dtype
-            and multi_tensor_ok(p, g, m, v)
-        ):
-            batches.setdefault(kind, []).append((p, g, m, v, step))
-        elif on_triton and all(t.is_contiguous() for t in (p, g, m, v)):
+        route = _route(p, g, m, v, backends, multi_tensor)
+        if route == "multi":
+            batches.setdefault((p.device, p.dtype, m.dtype), []).append((p, g, m, v, step))
+        elif route == "triton":
             _triton_adamw_captured(p, g, m, v, hyper, step, lrs[p.device])
         else:
             _torch_adamw_captured(p, g, m, v, hyper, step, lrs[p.device])
-    for kind, batch in batches.items():
-        ps, gs, ms, vs, steps = (list(t) for t in zip(*batch, strict=True))
-        _triton_adamw_multi_captured(ps, gs, ms, vs, steps, hyper, lrs[kind[0]])
-
-
-def _update(
-    todo: list[tuple[torch.Tensor, ...]], hyper: tuple[float, float, float, float, float], multi_tensor: bool
-) -> None:
-    """Step every (p, g, m, v, step) of one group: with `multi_tensor`, one launch per (device,
-    dtypes, step) for the tensors `multi_tensor_ok` accepts; one launch (or torch fallback) per
-    tensor otherwise."""
-    torch._foreach_add_([t[4] for t in todo], 1.0)
-    backends: dict[tuple[Any, ...], str] = {}
-    batches: dict[tuple[Any, ...], list[tuple[torch.Tensor, ...]]] = {}
-    for p, g, m, v, step_t in todo:
-        kind = (p.device, p.dtype, g.dtype, m.dtype, v.dtype)
-        if kind not in backends:
-            backends[kind] = pick_backend(p, g, m, v)
-        step = int(step_t.item())
-        on_triton = backends[kind] == "triton"
-        if (
-            on_triton
-            and multi_tensor
-            and g.dtype == p.dtype
-            and v.dtype == m.dtype
-            and multi_tensor_ok(p, g, m, v)
-        ):
-            batches.setdefault((*kind, step), []).append((p, g, m, v))
-        elif on_triton and all(t.is_contiguous() for t in (p, g, m, v)):
-            _triton_adamw(p, g, m, v, hyper, step)
-        else:
-            _torch_adamw(p, g, m, v, hyper, step)
     for key, batch in batches.items():
-        ps, gs, ms, vs = (list(t) for t in zip(*batch, strict=True))
-        _triton_adamw_multi(ps, gs, ms, vs, hyper, key[-1])
+        ps, gs, ms, vs, steps = (list(t) for t in zip(*batch, strict=True))
+        _triton_adamw_multi_captured(ps, gs, ms, vs, steps, hyper, lrs[key[0]])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from functools import cache, lru_cache
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -155,6 +156,18 @@ def ce_rows(
     return loss
 
 
+def _adamw_block() -> int:
+    """Elements per program of the AdamW kernels (smaller under the interpreter)."""
+    return 1024 if interpret_mode() else 4096
+
+
+def _tl_dtype(dtype: torch.dtype) -> Any:
+    """The Triton element type of a floating-point torch dtype."""
+    import triton.language as tl
+
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
 @register_kernel("adamw", "triton")
 def adamw_(
     p: torch.Tensor,
@@ -167,10 +180,10 @@ def adamw_(
     tl_ = _tl()
     lr, beta1, beta2, eps, wd = hyper
     n = p.numel()
-    block = 1024 if interpret_mode() else 4096
+    block = _adamw_block()
     tl_.adamw_kernel[(-(-n // block),)](
         p, g, m, v, n, lr, beta1, beta2, eps, wd, lr / (1 - beta1**step),
-        math.sqrt(1 - beta2**step), BLOCK=block, num_warps=8 if block >= 4096 else 4,
+        math.sqrt(1 - beta2**step), BLOCK=block, num_warps=tl_.warps_for(block),
     )  # fmt: skip
 
 
@@ -189,10 +202,10 @@ def adamw_captured_(
     tl_ = _tl()
     _, beta1, beta2, eps, wd = hyper
     n = p.numel()
-    block = 1024 if interpret_mode() else 4096
+    block = _adamw_block()
     tl_.adamw_kernel[(-(-n // block),)](
         p, g, m, v, n, 0.0, beta1, beta2, eps, wd, 0.0, 1.0, BLOCK=block, STEP=step, LR=lr,
-        CAPTURED=True, num_warps=8 if block >= 4096 else 4,
+        CAPTURED=True, num_warps=tl_.warps_for(block),
     )  # fmt: skip
 
 
@@ -230,19 +243,16 @@ def adamw_multi_(
 ) -> None:
     """`adamw_` on many tensors (`multi_tensor_ok`; one dtype for p and g, one for m and v) in one
     launch, addresses read from a table: one launch's host cost instead of one per tensor."""
-    import triton.language as tl
-
     tl_ = _tl()
     lr, beta1, beta2, eps, wd = hyper
-    block = 1024 if interpret_mode() else 4096
+    block = _adamw_block()
     device = ps[0].device
     owner, start, numels = _block_tables(tuple(p.numel() for p in ps), block, device)
     addrs = _to_device([t.data_ptr() for four in zip(ps, gs, ms, vs, strict=True) for t in four], device)
-    ty = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
     tl_.adamw_multi_kernel[(owner.numel(),)](
         addrs, owner, start, numels, lr, beta1, beta2, eps, wd, lr / (1 - beta1**step),
-        math.sqrt(1 - beta2**step), P_TY=ty[ps[0].dtype], S_TY=ty[ms[0].dtype], BLOCK=block,
-        num_warps=8 if block >= 4096 else 4,
+        math.sqrt(1 - beta2**step), P_TY=_tl_dtype(ps[0].dtype), S_TY=_tl_dtype(ms[0].dtype), BLOCK=block,
+        num_warps=tl_.warps_for(block),
     )  # fmt: skip
 
 
@@ -270,17 +280,14 @@ def adamw_multi_captured_(
 ) -> None:
     """`adamw_multi_` with each tensor's step count and the group's lr read from device memory
     (see `adamw_captured_`)."""
-    import triton.language as tl
-
     tl_ = _tl()
     _, beta1, beta2, eps, wd = hyper
-    block = 1024 if interpret_mode() else 4096
+    block = _adamw_block()
     device = ps[0].device
     owner, start, numels = _block_tables(tuple(p.numel() for p in ps), block, device)
     rows = tuple(t.data_ptr() for five in zip(ps, gs, ms, vs, steps, strict=True) for t in five)
     addrs = _captured_table(rows, device)[1]
-    ty = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
     tl_.adamw_multi_kernel[(owner.numel(),)](
-        addrs, owner, start, numels, 0.0, beta1, beta2, eps, wd, 0.0, 1.0, P_TY=ty[ps[0].dtype],
-        S_TY=ty[ms[0].dtype], BLOCK=block, LR=lr, CAPTURED=True, num_warps=8 if block >= 4096 else 4,
+        addrs, owner, start, numels, 0.0, beta1, beta2, eps, wd, 0.0, 1.0, P_TY=_tl_dtype(ps[0].dtype),
+        S_TY=_tl_dtype(ms[0].dtype), BLOCK=block, LR=lr, CAPTURED=True, num_warps=tl_.warps_for(block),
     )  # fmt: skip
